@@ -1,0 +1,524 @@
+"""The namespace backend's helper process: a zygote that forks guests, and the guest's init.
+
+This file runs as its own interpreter (``python -I -S _nsguest.py FD``), started once per
+pytest process. It imports only the standard library, and imports all of it *before* any
+guest exists: a guest's init pivots into the guest's root, after which nothing from the
+host's filesystem (``sys.path`` included) can be imported any more.
+
+Why a zygote: forking the pytest process itself is unsafe (xdist workers run threads) and
+costs a copy of a large address space per guest, while starting a fresh interpreter per
+guest costs ~70 ms here. A small single-threaded process that forks on request costs ~1 ms.
+
+Processes per guest::
+
+    zygote (child subreaper)
+      └─ setup  (unshares namespaces, mounts the root, forks init, exits)
+           └─ init  (pid 1 of the guest: reaps orphans, runs exec/file requests)
+                └─ one child per request (setsid; execve, or a file operation)
+
+The init serves a SOCK_SEQPACKET socket whose other end the pytest process holds. When that
+end closes (the test process exited or crashed) the init exits, and the kernel kills every
+process of the guest's pid namespace with it: a crashed test process cannot leave guest
+processes or mounts behind. Only a guest marked ``keep`` outlives its owner.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import sys
+import tarfile
+import traceback
+from typing import Any
+
+# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
+# root once we are inside it. Never load guest-provided code into a privileged process.
+tarfile.pwd = None  # type: ignore[attr-defined]
+tarfile.grp = None  # type: ignore[attr-defined]
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+PR_CAPBSET_DROP = 24
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
+CAP_LAST_CAP_FALLBACK = 40
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+# What a guest's root keeps: Docker's default set without CAP_MKNOD. Everything that reaches
+# beyond the guest's namespaces (modules, raw I/O, mounts, ptrace, time) is gone.
+GUEST_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31)
+
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
+MAX_MESSAGE = 1 << 20
+SIGNAL_EXIT_BASE = 128
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    _check(
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {fstype or source} on {target}",
+    )
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+
+
+def _prctl(option: int, arg: int) -> int:
+    return int(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0),
+                           ctypes.c_ulong(0), ctypes.c_ulong(0)))
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 8)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), list(fds)
+
+
+# --------------------------------------------------------------------------- guest setup
+
+
+def _write_id_map(uid: int, gid: int) -> None:
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"0 {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"0 {gid} 1")
+
+
+def _mount_root(req: dict[str, Any]) -> str:
+    """Scratch tmpfs, overlay root and a minimal /dev, all in the guest's private mount ns."""
+    scratch = req["scratch"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
+    upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
+    for d in (upper, work, root):
+        os.mkdir(d)
+    lower = ":".join(req["lower"])
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    if req["userns"]:
+        options += ",userxattr"
+    _mount("smolvm-root", root, "overlay", 0, options)
+
+    dev = os.path.join(root, "dev")
+    os.makedirs(dev, exist_ok=True)
+    _mount("smolvm-dev", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=1m")
+    for node in ("null", "zero", "full", "random", "urandom", "tty"):
+        target = os.path.join(dev, node)
+        open(target, "w").close()
+        _mount(f"/dev/{node}", target, None, MS_BIND, None)
+    for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                       ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
+                       ("ptmx", "pts/ptmx")):
+        os.symlink(dest, os.path.join(dev, name))
+    for sub in ("pts", "shm"):
+        os.mkdir(os.path.join(dev, sub))
+    _mount("smolvm-shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
+    for sub in ("proc", "tmp"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    return root
+
+
+def _loopback_up() -> None:
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    import fcntl  # noqa: PLC0415 - stdlib, imported before pivot (see _preload)
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, siocgifflags, ifreq))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def _enter_root(root: str, req: dict[str, Any]) -> None:
+    """Runs as the guest's pid 1: its own /proc, hostname, loopback, then pivot into root."""
+    proc = os.path.join(root, "proc")
+    _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    # Host-wide knobs stay readable but not writable from the guest.
+    for sub in ("sys", "sysrq-trigger", "irq", "bus"):
+        path = os.path.join(proc, sub)
+        if os.path.exists(path):
+            try:
+                _mount(path, path, None, MS_BIND, None)
+                _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+            except OSError:
+                if not req["userns"]:
+                    raise
+    socket.sethostname(req["hostname"])
+    if not req["network"]:
+        _loopback_up()
+    os.chdir(root)
+    _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
+    os.chdir("/")
+
+
+def _drop_capabilities() -> None:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except OSError:
+        last = CAP_LAST_CAP_FALLBACK
+    for cap in range(last + 1):
+        if cap not in GUEST_CAPABILITIES:
+            _prctl(PR_CAPBSET_DROP, cap)
+    mask = sum(1 << c for c in GUEST_CAPABILITIES)
+    header = struct.pack("Ii", LINUX_CAPABILITY_VERSION_3, 0)
+    data = struct.pack("6I", mask & 0xFFFFFFFF, mask & 0xFFFFFFFF, 0, mask >> 32, mask >> 32, 0)
+    _check(_libc.capset(ctypes.c_char_p(header), ctypes.c_char_p(data)), "capset")
+
+
+# --------------------------------------------------------------------------- guest init
+
+
+class Init:
+    """pid 1 of one guest: serves requests from the host and reaps every orphan."""
+
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.children: dict[int, int] = {}  # pid -> request id
+        self.keep = False
+        rfd, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.wake_r = rfd
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def serve(self) -> None:
+        poller = select.poll()
+        poller.register(self.ctl, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        while True:
+            for fd, events in poller.poll():
+                if fd == self.wake_r:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    self.reap()
+                elif events & (select.POLLHUP | select.POLLERR) and not events & select.POLLIN:
+                    self.owner_gone()
+                    poller.unregister(self.ctl)
+                else:
+                    try:
+                        message, fds = _recv(self.ctl)
+                    except OSError:
+                        message, fds = None, []
+                    if message is None:
+                        self.owner_gone()
+                        poller.unregister(self.ctl)
+                    else:
+                        self.handle(message, fds)
+            self.reap()
+
+    def owner_gone(self) -> None:
+        if not self.keep:
+            os._exit(0)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            request_id = self.children.pop(pid, None)
+            if request_id is not None:
+                code = os.waitstatus_to_exitcode(status)
+                if code < 0:
+                    code = SIGNAL_EXIT_BASE - code
+                try:
+                    _send(self.ctl, {"id": request_id, "exit": code})
+                except OSError:
+                    pass
+
+    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        op = message.get("op")
+        if op == "kill":
+            try:
+                os.killpg(message["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+        if op == "keep":
+            self.keep = bool(message.get("keep", True))
+            _send(self.ctl, {"id": message["id"], "ok": True})
+            return
+        pid = os.fork()
+        if pid == 0:
+            self.run_child(message, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = message["id"]
+        _send(self.ctl, {"id": message["id"], "pid": pid})
+
+    def run_child(self, message: dict[str, Any], fds: list[int]) -> None:
+        code = 1
+        try:
+            os.setsid()
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            os.closerange(3, 65536)
+            if message["op"] == "exec":
+                _exec(message)
+            code = FILE_OPS[message["op"]](message)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        except BaseException as exc:  # report anything to the host, never crash pid 1's loop
+            try:
+                os.write(2, f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
+            except OSError:
+                pass
+        os._exit(code)
+
+
+def _exec(message: dict[str, Any]) -> None:
+    env = message["env"]
+    argv = message["argv"]
+    try:
+        os.chdir(message.get("cwd") or "/")
+    except OSError as exc:
+        os.write(2, f"pytest-smolvm: cannot enter workdir {message.get('cwd')}: {exc.strerror}\n".encode())
+        os._exit(126)
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        os.write(2, f"pytest-smolvm: {argv[0]}: {exc.strerror}\n".encode())
+        os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+
+def _op_write(message: dict[str, Any]) -> int:
+    path = message["path"]
+    parent = os.path.dirname(path) or "/"
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "wb") as f, os.fdopen(0, "rb", closefd=False) as src:
+        shutil.copyfileobj(src, f, 1 << 20)
+    if message.get("mode") is not None:
+        os.chmod(path, message["mode"])
+    return 0
+
+
+def _op_read(message: dict[str, Any]) -> int:
+    with open(message["path"], "rb") as f, os.fdopen(1, "wb", closefd=False) as dst:
+        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", message["path"])
+        shutil.copyfileobj(f, dst, 1 << 20)
+    return 0
+
+
+def _op_put_archive(message: dict[str, Any]) -> int:
+    dest = message["path"]
+    os.makedirs(dest, exist_ok=True)
+    with os.fdopen(0, "rb", closefd=False) as src, tarfile.open(fileobj=src, mode="r|") as tar:
+        # The archive comes from the host's own files; the guest root contains any link.
+        tar.extractall(dest, numeric_owner=True, filter="fully_trusted")
+    return 0
+
+
+def _op_get_archive(message: dict[str, Any]) -> int:
+    path = message["path"]
+    os.lstat(path)  # a clear "No such file" before any byte of archive is written
+    with os.fdopen(1, "wb", closefd=False) as dst, tarfile.open(fileobj=dst, mode="w|") as tar:
+        tar.add(path, arcname=message["arcname"], recursive=True)
+    return 0
+
+
+FILE_OPS = {"write": _op_write, "read": _op_read, "put_archive": _op_put_archive,
+            "get_archive": _op_get_archive}
+
+
+# --------------------------------------------------------------------------- zygote
+
+
+def _open_fds() -> list[int]:
+    return [int(name) for name in os.listdir("/proc/self/fd")]
+
+
+def _join_cgroups(procs_files: list[str]) -> None:
+    for path in procs_files:
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+
+def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
+    """Runs in the setup process; never returns."""
+    try:
+        keep = {ctl.fileno(), report_w}
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for target in (0, 1, 2):
+            os.dup2(devnull, target)
+        for fd in _open_fds():
+            if fd > 2 and fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        _join_cgroups(req["cgroup_procs"])
+        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID
+        if not req["network"]:
+            flags |= CLONE_NEWNET
+        uid, gid = os.getuid(), os.getgid()
+        if req["userns"]:
+            flags |= CLONE_NEWUSER
+        _unshare(flags)
+        if req["userns"]:
+            _write_id_map(uid, gid)
+        root = _mount_root(req)
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            os.close(report_w)
+            try:
+                _enter_root(root, req)
+                if not req["userns"]:
+                    _drop_capabilities()
+                os.write(ready_w, b"ok")
+            except BaseException as exc:
+                os.write(ready_w, f"guest init failed: {exc}".encode(errors="replace")[:4000])
+                os._exit(1)
+            os.close(ready_w)
+            Init(ctl).serve()
+            os._exit(0)
+        os.close(ready_w)
+        status = os.read(ready_r, 4096).decode(errors="replace")
+        if status != "ok":
+            raise RuntimeError(status or "guest init exited during setup")
+        os.write(report_w, json.dumps({"pid": pid}).encode())
+        os._exit(0)
+    except BaseException as exc:
+        detail = str(exc) if isinstance(exc, (OSError, RuntimeError)) else traceback.format_exc()
+        os.write(report_w, json.dumps({"error": detail}).encode())
+        os._exit(1)
+
+
+def _create(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    report_r, report_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(report_r)
+        host_end.close()
+        _setup_and_fork_init(req, guest_end, report_w)
+    os.close(report_w)
+    guest_end.close()
+    with os.fdopen(report_r, "rb") as f:
+        raw = f.read()
+    os.waitpid(pid, 0)
+    try:
+        reply = json.loads(raw) if raw else {"error": "guest setup died without a word"}
+    except ValueError:
+        reply = {"error": raw.decode(errors="replace")}
+    if "error" in reply:
+        host_end.close()
+        return reply, []
+    fd = host_end.detach()
+    return reply, [fd]
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def zygote(sock: socket.socket) -> None:
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    # Die with the pytest process that started us; guests notice it through their sockets.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
+    while True:
+        _reap_children()
+        try:
+            message, fds = _recv(sock)
+        except InterruptedError:
+            continue
+        if message is None:
+            return
+        for fd in fds:
+            os.close(fd)
+        try:
+            if message["op"] == "create":
+                reply, out_fds = _create(message)
+            elif message["op"] == "ping":
+                reply, out_fds = {"ok": True}, []
+            else:
+                reply, out_fds = {"error": f"unknown op {message['op']!r}"}, []
+        except Exception as exc:  # the zygote must outlive any one failed request
+            reply, out_fds = {"error": f"{type(exc).__name__}: {exc}"}, []
+        reply["id"] = message.get("id")
+        _send(sock, reply, out_fds)
+        for fd in out_fds:
+            os.close(fd)
+
+
+def _preload() -> None:
+    """Import now what guest-side code imports lazily later, when host paths are gone."""
+    import fcntl  # noqa: F401, PLC0415
+
+    "".encode("utf-8").decode("utf-8", "replace")
+    array.array("i")
+
+
+if __name__ == "__main__":
+    _preload()
+    zygote(socket.socket(fileno=int(sys.argv[1])))

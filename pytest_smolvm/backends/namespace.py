@@ -1,0 +1,444 @@
+"""The namespace backend: Linux namespaces + overlayfs, for hosts where no microVM boots.
+
+Each guest is a pid-1 init (see ``_nsguest.py``) in fresh mount/pid/net/uts/ipc namespaces
+(plus a user namespace when not root) whose root is an overlay of the baseline rootfs and a
+per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a microVM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from pytest_smolvm import cgroups
+from pytest_smolvm.backends import GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.baseline import Baseline, Rootfs, unpack
+from pytest_smolvm.errors import GuestError, ProvisionError
+from pytest_smolvm.paths import state_dir
+from pytest_smolvm.procs import process_start_time, wait_gone
+
+GUEST_HELPER = Path(__file__).with_name("_nsguest.py")
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+MAX_MESSAGE = 1 << 20
+DESTROY_TIMEOUT = 10.0
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 8)
+    if not data:
+        return None, list(fds)
+    return json.loads(data), list(fds)
+
+
+class Zygote:
+    """The per-process helper that forks guests (started lazily, once)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(GUEST_HELPER), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            self._next_id += 1
+            _send(self._sock, {**message, "id": self._next_id})
+            reply, fds = _recv(self._sock)
+        if reply is None:
+            raise ProvisionError(f"the namespace helper died (exit status {self._proc.poll()})")
+        return reply, fds
+
+    def close(self) -> None:
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+class _BoundedBuffer:
+    """Keeps the head and the tail of a stream; what falls between is counted, not kept."""
+
+    def __init__(self, limit: int) -> None:
+        self.half = max(limit // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            excess = len(self.tail) - self.half
+            if excess > 0:
+                del self.tail[:excess]
+                self.dropped += excess
+
+    def value(self) -> bytes:
+        if not self.dropped:
+            return bytes(self.head + self.tail)
+        marker = f"\n[pytest-smolvm: {self.dropped} bytes of output truncated]\n".encode()
+        return bytes(self.head) + marker + bytes(self.tail)
+
+
+class NamespaceGuest:
+    def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
+                 cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str]) -> None:
+        self.name = name
+        self._ctl = ctl
+        self.pid = pid
+        self.pid_start = process_start_time(pid)
+        self.scratch = scratch
+        self.cgroup_dirs = cgroup_dirs
+        self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
+        self._workdir = rootfs.workdir or "/"
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._destroyed = False
+
+    # ---------------------------------------------------------------- request plumbing
+
+    def _start(self, message: dict[str, Any], fds: Sequence[int]) -> tuple[int, int]:
+        """Send a request that forks a guest child; returns (request id, guest pid)."""
+        self._next_id += 1
+        request_id = self._next_id
+        try:
+            _send(self._ctl, {**message, "id": request_id}, fds)
+            reply, _ = _recv(self._ctl)
+        except OSError as exc:
+            raise GuestError(f"guest {self.name} is gone: {exc}") from exc
+        if reply is None:
+            raise GuestError(f"guest {self.name} is gone (its init exited)")
+        return request_id, int(reply["pid"])
+
+    def _run(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None,
+             output_limit: int, timeout: float | None,
+             stdout_sink: Callable[[bytes], None] | None = None) -> GuestExecResult:
+        """Run one guest child with pipes for 0/1/2 and wait for its exit (the caller holds the lock)."""
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            request_id, pid = self._start(message, (in_r, out_w, err_w))
+        except BaseException:
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            raise
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        stdout = _BoundedBuffer(output_limit)
+        stderr = _BoundedBuffer(output_limit)
+        feeder = None
+        if isinstance(stdin, (bytes, bytearray)) or stdin is None:
+            pending = memoryview(bytes(stdin or b""))
+            os.set_blocking(in_w, False)
+            if not pending:
+                os.close(in_w)
+                in_w = -1
+        else:
+            feeder = threading.Thread(target=_feed, args=(stdin, in_w), daemon=True)
+            feeder.start()
+            in_w = -1
+            pending = memoryview(b"")
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+        sinks: dict[int, Callable[[bytes], None]] = {
+            out_r: stdout_sink or stdout.add, err_r: stderr.add}
+        exit_code: int | None = None
+        timed_out = False
+        deadline = time.monotonic() + timeout if timeout else None
+        poller = select.poll()
+        poller.register(self._ctl, select.POLLIN)
+        for fd in sinks:
+            poller.register(fd, select.POLLIN)
+        if in_w >= 0:
+            poller.register(in_w, select.POLLOUT)
+        try:
+            while exit_code is None:
+                wait_ms = None
+                if deadline is not None and not timed_out:
+                    wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                events = poller.poll(wait_ms)
+                if not events and deadline is not None and not timed_out and time.monotonic() >= deadline:
+                    timed_out = True
+                    _send(self._ctl, {"op": "kill", "pid": pid})
+                    continue
+                for fd, ev in events:
+                    if fd == self._ctl.fileno():
+                        reply, _ = _recv(self._ctl)
+                        if reply is None:
+                            raise GuestError(f"guest {self.name} is gone (its init exited)")
+                        if reply.get("id") == request_id and "exit" in reply:
+                            exit_code = int(reply["exit"])
+                    elif fd == in_w:
+                        try:
+                            written = os.write(in_w, pending[:65536])
+                            pending = pending[written:]
+                        except (BrokenPipeError, BlockingIOError) as exc:
+                            if isinstance(exc, BrokenPipeError):
+                                pending = memoryview(b"")
+                        if not pending:
+                            poller.unregister(in_w)
+                            os.close(in_w)
+                            in_w = -1
+                    elif fd in sinks:
+                        if not self._drain(fd, sinks, poller):
+                            continue
+            # The command is done: take what it already wrote, but never wait for a
+            # background process that inherited its stdout.
+            for fd in list(sinks):
+                self._drain(fd, sinks, poller, final=True)
+        finally:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            if feeder is not None:
+                feeder.join(timeout=1)
+        return GuestExecResult(124 if timed_out else exit_code, stdout.value(), stderr.value(), timed_out)
+
+    @staticmethod
+    def _drain(fd: int, sinks: dict[int, Callable[[bytes], None]], poller: select.poll,
+               final: bool = False) -> bool:
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return True
+            if not data:
+                poller.unregister(fd)
+                del sinks[fd]
+                return False
+            sinks[fd](data)
+            if not final:
+                return True
+
+    # ---------------------------------------------------------------- the Guest protocol
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        message = {"op": "exec", "argv": list(argv), "env": {**self._env, **env},
+                   "cwd": workdir or self._workdir}
+        with self._lock:
+            return self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout)
+
+    def _file_op(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None = None,
+                 stdout_sink: Callable[[bytes], None] | None = None) -> None:
+        with self._lock:
+            result = self._run(message, stdin=stdin, output_limit=1 << 16, timeout=None,
+                               stdout_sink=stdout_sink)
+        if result.exit_code != 0:
+            detail = result.stderr.decode(errors="replace").strip().splitlines()
+            raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
+                             f"{detail[-1] if detail else f'exit {result.exit_code}'}")
+
+    def write_file(self, path: str, data: bytes, mode: int | None) -> None:
+        self._file_op({"op": "write", "path": path, "mode": mode}, stdin=data)
+
+    def read_file(self, path: str) -> bytes:
+        chunks: list[bytes] = []
+        self._file_op({"op": "read", "path": path}, stdout_sink=chunks.append)
+        return b"".join(chunks)
+
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+        read_fd, write_fd = os.pipe()
+        errors: list[BaseException] = []
+
+        def run_producer() -> None:
+            try:
+                with os.fdopen(write_fd, "wb") as out:
+                    produce(out)
+            except BrokenPipeError:
+                pass
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+
+        producer = threading.Thread(target=run_producer, daemon=True)
+        producer.start()
+        try:
+            with os.fdopen(read_fd, "rb") as source:
+                self._file_op({"op": "put_archive", "path": guest_dir}, stdin=source)
+        finally:
+            producer.join()
+        if errors:
+            raise errors[0]
+
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+        read_fd, write_fd = os.pipe()
+        errors: list[BaseException] = []
+
+        def run_consumer() -> None:
+            try:
+                with os.fdopen(read_fd, "rb") as source:
+                    consume(source)
+                    while source.read(1 << 16):
+                        pass  # let the guest side finish even if the consumer stopped early
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+
+        consumer = threading.Thread(target=run_consumer, daemon=True)
+        consumer.start()
+        out = os.fdopen(write_fd, "wb")
+        try:
+            self._file_op({"op": "get_archive", "path": guest_path, "arcname": arcname},
+                          stdout_sink=out.write)
+        finally:
+            out.close()
+            consumer.join()
+        if errors:
+            raise errors[0]
+
+    def logs(self) -> str:
+        return ""  # a namespace guest has no console; its history is the exec transcript
+
+    def keep(self) -> None:
+        with self._lock:
+            self._next_id += 1
+            _send(self._ctl, {"op": "keep", "id": self._next_id})
+            _recv(self._ctl)
+
+    def registry_data(self) -> dict[str, Any]:
+        return {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
+                "cgroups": self.cgroup_dirs}
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._ctl.close()
+        destroy_recorded(self.registry_data())
+
+
+def destroy_recorded(data: Mapping[str, Any]) -> None:
+    """Kill a guest's init (the kernel then kills its whole pid namespace) and remove what is left."""
+    pid = int(data.get("pid") or 0)
+    if pid and process_start_time(pid) == data.get("pid_start"):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not wait_gone(pid, DESTROY_TIMEOUT):
+            raise GuestError(f"guest init {pid} did not exit within {DESTROY_TIMEOUT:.0f}s of SIGKILL")
+    for path in data.get("cgroups") or []:
+        cgroups.remove(path)
+    scratch = data.get("scratch")
+    if scratch:
+        try:
+            os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
+        except FileNotFoundError:
+            pass
+
+
+def _feed(source: IO[bytes], fd: int) -> None:
+    try:
+        with os.fdopen(fd, "wb") as sink:
+            for chunk in iter(lambda: source.read(1 << 16), b""):
+                sink.write(chunk)
+    except BrokenPipeError:
+        pass
+
+
+class NamespaceBackend:
+    name: ClassVar[str] = "namespace"
+    isolation: ClassVar[str] = "namespace"
+
+    def __init__(self) -> None:
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._rootfs: dict[str, Rootfs] = {}
+        self.userns = os.geteuid() != 0
+        self.limits = cgroups.detect()
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        if not sys.platform.startswith("linux"):
+            return ProbeResult(False, "the namespace backend needs Linux")
+        if os.geteuid() != 0 and not _userns_allowed():
+            return ProbeResult(False, "not root and unprivileged user namespaces are disabled "
+                                      "(sysctl user.max_user_namespaces / kernel.unprivileged_userns_clone)")
+        return ProbeResult(True, "Linux namespaces and overlayfs are available")
+
+    def prepare(self, baseline: Baseline) -> None:
+        self.rootfs(baseline)
+
+    def rootfs(self, baseline: Baseline) -> Rootfs:
+        if baseline.digest not in self._rootfs:
+            self._rootfs[baseline.digest] = unpack(baseline)
+        return self._rootfs[baseline.digest]
+
+    def _helper(self) -> Zygote:
+        with self._zygote_lock:
+            if self._zygote is None:
+                self._zygote = Zygote()
+            return self._zygote
+
+    def create(self, spec: VMSpec) -> NamespaceGuest:
+        if spec.allow_hosts:
+            raise ProvisionError("allow_hosts needs the smol backend: the namespace backend can only "
+                                 "give a guest no network (the default) or the host's (network=True)")
+        rootfs = self.rootfs(spec.baseline)
+        scratch = state_dir() / "scratch" / spec.name
+        scratch.mkdir(parents=True, exist_ok=False)
+        cgroup_dirs: list[str] = []
+        try:
+            cgroup_dirs = cgroups.create(self.limits, spec.name, cpus=spec.cpus, memory_mb=spec.memory_mb)
+            reply, fds = self._helper().request({
+                "op": "create", "hostname": spec.name[:64], "scratch": str(scratch),
+                "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb, "network": spec.network,
+                "userns": self.userns, "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
+            if "error" in reply:
+                raise ProvisionError(f"namespace guest {spec.name}: {reply['error']}")
+        except BaseException:
+            for path in cgroup_dirs:
+                cgroups.remove(path)
+            scratch.rmdir()
+            raise
+        ctl = socket.socket(fileno=fds[0])
+        return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+
+    def destroy_recorded(self, data: Mapping[str, Any]) -> None:
+        destroy_recorded(data)
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+
+def _userns_allowed() -> bool:
+    try:
+        if Path("/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() == "0":
+            return False
+        return int(Path("/proc/sys/user/max_user_namespaces").read_text()) > 0
+    except (OSError, ValueError):
+        return True

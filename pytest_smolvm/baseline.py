@@ -1,0 +1,380 @@
+"""Baselines: what a reference names, its content digest, and unpacking it once per host.
+
+A baseline reference is a rootfs directory, a rootfs tarball (``.tar``, ``.tar.gz``,
+``.tar.zst``), a ``docker save``/OCI archive, a ``.smolmachine`` (smol only) or a registry
+reference (smol only). No reference means the Alpine rootfs bundled in the smolmachines wheel.
+
+Unpacking happens once per host per digest, under a file lock, into a temporary dir that is
+renamed into place: concurrent first use from several processes is safe, and an interrupted
+unpack never leaves a half tree that looks finished.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import zstandard
+from filelock import FileLock
+
+from pytest_smolvm.errors import UsageError
+from pytest_smolvm.paths import cache_dir
+
+Kind = Literal["bundled", "rootfs-dir", "rootfs-tar", "image-archive", "smolmachine", "registry"]
+BUNDLED_ROOTFS = "agent-rootfs.tar.zst"
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.zstd")
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Baseline:
+    reference: str  # as the user wrote it; "bundled alpine" for the default
+    kind: Kind
+    path: Path | None
+    digest: str  # "sha256:<hex>", or the reference itself for registry refs
+
+    @property
+    def short_digest(self) -> str:
+        return self.digest.split(":", 1)[-1][:12]
+
+
+@dataclass(frozen=True)
+class Rootfs:
+    """An unpacked baseline: a read-only tree plus what the image says about its processes."""
+
+    path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    prepared_by: str = ""  # "this process (1.2 s)" or "already cached"
+
+
+def bundled_rootfs_tarball() -> Path:
+    spec = find_spec("smol")  # finding, not importing: importing smol touches os.environ
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / BUNDLED_ROOTFS
+        if candidate.is_file():
+            return candidate
+    raise UsageError("--smol-baseline: no baseline given and the smolmachines wheel's bundled rootfs "
+                     "was not found (pip install smolmachines, or pass --smol-baseline=PATH)")
+
+
+def resolve(reference: str | None, rootdir: Path) -> Baseline:
+    """Classify ``reference`` and digest it. Raises UsageError naming --smol-baseline."""
+    if not reference:
+        tarball = bundled_rootfs_tarball()
+        return Baseline("bundled alpine", "bundled", tarball, file_digest(tarball))
+    path = Path(os.path.expanduser(reference))
+    if not path.is_absolute():
+        path = rootdir / path
+    if path.exists():
+        path = path.resolve()
+        if path.is_dir():
+            return Baseline(reference, "rootfs-dir", path, tree_digest(path))
+        if path.name.endswith(".smolmachine"):
+            return Baseline(reference, "smolmachine", path, file_digest(path))
+        if not path.name.endswith(TAR_SUFFIXES):
+            raise UsageError(f"--smol-baseline={reference}: not a rootfs dir or an archive "
+                             f"({', '.join(TAR_SUFFIXES)}, .smolmachine)")
+        kind: Kind = "image-archive" if _is_image_archive(path) else "rootfs-tar"
+        return Baseline(reference, kind, path, file_digest(path))
+    if _looks_like_path(reference):
+        raise UsageError(f"--smol-baseline={reference}: no such file or directory")
+    return Baseline(reference, "registry", None, reference)
+
+
+def _looks_like_path(reference: str) -> bool:
+    return (reference.startswith(("/", "./", "../", "~")) or reference.endswith(TAR_SUFFIXES)
+            or reference.endswith(".smolmachine") or os.sep in reference and ":" not in reference
+            and "." not in reference.split("/", 1)[0])
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _memo_path() -> Path:
+    return cache_dir() / "digests.json"
+
+
+def _memo_load() -> dict[str, str]:
+    try:
+        data = json.loads(_memo_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _memo_store(key: str, digest: str) -> None:
+    memo = _memo_load()
+    memo[key] = digest
+    path = _memo_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".digests.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the memo only saves time
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of the file's bytes, memoised by (path, inode, size, mtime)."""
+    st = path.stat()
+    key = f"{path}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    memo = _memo_load()
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            h.update(chunk)
+    digest = f"sha256:{h.hexdigest()}"
+    _memo_store(key, digest)
+    return digest
+
+
+def tree_digest(root: Path) -> str:
+    """A digest of a directory tree's names, types, modes, sizes, mtimes and link targets.
+
+    Cheap (no file contents are read): a rootfs dir is used in place as a read-only layer,
+    so what matters is noticing that it changed.
+    """
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames + dirnames):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            link = os.readlink(full) if stat.S_ISLNK(st.st_mode) else ""
+            rel = os.path.relpath(full, root)
+            h.update(f"{rel}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{link}\n".encode(errors="surrogateescape"))
+    return f"sha256:{h.hexdigest()}"
+
+
+# --------------------------------------------------------------------------- unpacking
+
+
+def unpack(baseline: Baseline) -> Rootfs:
+    """The baseline as a rootfs tree, unpacked at most once per host per digest."""
+    assert baseline.path is not None
+    if baseline.kind == "rootfs-dir":
+        return Rootfs(baseline.path, prepared_by="used in place")
+    if baseline.kind not in ("bundled", "rootfs-tar", "image-archive"):
+        raise UsageError(f"--smol-baseline={baseline.reference}: a {baseline.kind} baseline needs the smol backend")
+    store = cache_dir() / "baselines"
+    store.mkdir(parents=True, exist_ok=True)
+    key = baseline.digest.split(":", 1)[-1][:32]
+    final = store / key
+    with FileLock(str(store / f"{key}.lock")):
+        if (final / "image.json").is_file():
+            return _load_rootfs(final, "already cached")
+        started = time.monotonic()
+        staging = store / f".unpack-{key}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            (staging / "rootfs").mkdir(parents=True)
+            if baseline.kind == "image-archive":
+                config = _unpack_image_archive(baseline.path, staging / "rootfs")
+            else:
+                with _open_maybe_compressed(baseline.path) as stream:
+                    _apply_layer(stream, staging / "rootfs", squash_owner=baseline.kind == "bundled")
+                config = {}
+            (staging / "image.json").write_text(json.dumps({
+                "reference": baseline.reference, "digest": baseline.digest,
+                "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/"}))
+            os.replace(staging, final)
+        except BaseException:
+            _force_rmtree(staging)
+            raise
+        elapsed = time.monotonic() - started
+        return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
+
+
+def _load_rootfs(final: Path, prepared_by: str) -> Rootfs:
+    meta = json.loads((final / "image.json").read_text())
+    env = dict(item.split("=", 1) for item in meta["env"] if "=" in item)
+    return Rootfs(final / "rootfs", env, meta["workdir"], prepared_by)
+
+
+def _force_rmtree(path: Path) -> None:
+    def make_writable(func: Any, failed: str, _exc: Any) -> None:
+        os.chmod(os.path.dirname(failed), 0o700)
+        func(failed)
+
+    if path.exists():
+        shutil.rmtree(path, onerror=make_writable)
+
+
+def _is_image_archive(path: Path) -> bool:
+    try:
+        with _open_maybe_compressed(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            for i, member in enumerate(tar):
+                if member.name.lstrip("./") in ("manifest.json", "index.json", "oci-layout"):
+                    return True
+                if i > 64:
+                    return False
+    except (tarfile.TarError, OSError, zstandard.ZstdError) as exc:
+        raise UsageError(f"--smol-baseline={path}: not a readable archive: {exc}") from exc
+    return False
+
+
+def _decompressed(raw: IO[bytes]) -> IO[bytes]:
+    head = raw.read(4)
+    rest: IO[bytes] = _Prefixed(head, raw)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=rest)  # type: ignore[return-value]
+    if head == b"\x28\xb5\x2f\xfd":
+        return zstandard.ZstdDecompressor().stream_reader(rest)  # type: ignore[return-value]
+    return rest
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream with a few already-read bytes put back in front."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._head:
+            n = min(len(buffer), len(self._head))
+            buffer[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._rest.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+class _open_maybe_compressed:
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in __exit__
+
+    def __enter__(self) -> IO[bytes]:
+        return _decompressed(self._file)
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def _unpack_image_archive(path: Path, dest: Path) -> dict[str, Any]:
+    """Apply a docker-save or OCI archive's layers in order; returns the image config."""
+    with tarfile.open(path, mode="r:*") as outer:
+        names = {m.name.lstrip("./"): m for m in outer.getmembers()}
+
+        def read_json(name: str) -> Any:
+            member = names.get(name)
+            extracted = outer.extractfile(member) if member else None
+            if extracted is None:
+                raise UsageError(f"--smol-baseline={path}: archive has no {name}")
+            return json.load(extracted)
+
+        if "manifest.json" in names:
+            manifest = read_json("manifest.json")[0]
+            layers, config_name = manifest["Layers"], manifest["Config"]
+        else:
+            index = read_json("index.json")
+            manifest = read_json(_blob(index["manifests"][0]["digest"]))
+            while "manifests" in manifest:  # a multi-platform index: take the first entry
+                manifest = read_json(_blob(manifest["manifests"][0]["digest"]))
+            layers = [_blob(layer["digest"]) for layer in manifest["layers"]]
+            config_name = _blob(manifest["config"]["digest"])
+        config = read_json(config_name).get("config") or {}
+        for layer in layers:
+            member = names.get(layer.lstrip("./"))
+            blob = outer.extractfile(member) if member else None
+            if blob is None:
+                raise UsageError(f"--smol-baseline={path}: layer {layer} is missing from the archive")
+            _apply_layer(_decompressed(blob), dest, squash_owner=False)
+    return dict(config)
+
+
+def _blob(digest: str) -> str:
+    algorithm, _, hexdigest = digest.partition(":")
+    return f"blobs/{algorithm}/{hexdigest}"
+
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+
+
+def _apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool) -> None:
+    """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``."""
+    root = os.path.realpath(dest)
+    this_layer: set[str] = set()
+    directories: list[tuple[str, int]] = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            name = os.path.normpath(member.name.lstrip("/"))
+            if name in (".", "") or member.isdev():
+                continue  # the guest gets its own /dev
+            if name.startswith("../") or name == "..":
+                raise UsageError(f"--smol-baseline: archive member {member.name!r} points outside the rootfs")
+            parent = os.path.realpath(os.path.join(root, os.path.dirname(name)))
+            if parent != root and not parent.startswith(root + os.sep):
+                raise UsageError(f"--smol-baseline: archive member {member.name!r} would be written "
+                                 "through a link to outside the rootfs")
+            base = os.path.basename(name)
+            target = os.path.join(parent, base)
+            if base == OPAQUE:
+                _clear_dir(parent, keep=this_layer)
+                continue
+            if base.startswith(WHITEOUT):
+                _remove(os.path.join(parent, base[len(WHITEOUT):]))
+                continue
+            if member.islnk():
+                link = os.path.normpath(member.linkname.lstrip("/"))
+                if link.startswith(".."):
+                    raise UsageError(f"--smol-baseline: hard link {member.name!r} points outside the rootfs")
+                member = member.replace(linkname=link, deep=False)
+            if os.path.lexists(target) and not (member.isdir() and os.path.isdir(target)
+                                                and not os.path.islink(target)):
+                _remove(target)
+            changes: dict[str, Any] = {"name": name}
+            if squash_owner:
+                changes.update(uid=0, gid=0, uname="root", gname="root")
+            if member.isdir():
+                directories.append((target, member.mode))
+                changes["mode"] = member.mode | 0o700
+            tar.extract(member.replace(**changes, deep=False), root, numeric_owner=True,
+                        filter="fully_trusted")
+            this_layer.add(target)
+    for path, mode in reversed(directories):
+        os.chmod(path, mode)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        _force_rmtree(Path(path))
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _clear_dir(path: str, keep: set[str]) -> None:
+    if not os.path.isdir(path):
+        return
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if full not in keep:
+            _remove(full)
+
+
+def iter_baselines() -> Iterator[Path]:
+    store = cache_dir() / "baselines"
+    if store.is_dir():
+        yield from (p for p in store.iterdir() if (p / "image.json").is_file())

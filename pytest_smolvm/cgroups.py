@@ -1,0 +1,130 @@
+"""Per-guest cpu, memory and pids limits through cgroups (v1 or v2), where the host allows it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_PIDS_MAX = 4096  # a guest's fork bomb stops here instead of at the host's limit
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    version: str  # "v1", "v2" or "none"
+    parents: dict[str, str] = field(default_factory=dict)  # controller -> our cgroup dir
+    reason: str = ""
+
+    @property
+    def summary(self) -> str:
+        if not self.parents:
+            return f"not applied ({self.reason})"
+        return f"cgroup {self.version}: {', '.join(sorted(self.parents))}"
+
+
+def _own_cgroups() -> dict[str, str]:
+    paths: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else [""]:
+                paths[controller] = path
+    return paths
+
+
+def _mounts() -> list[tuple[str, str, set[str]]]:
+    found = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if parts[2] in ("cgroup", "cgroup2"):
+                found.append((parts[2], parts[1], set(parts[3].split(","))))
+    return found
+
+
+def detect() -> Limits:
+    try:
+        own = _own_cgroups()
+        mounts = _mounts()
+    except OSError as exc:
+        return Limits("none", reason=f"cannot read cgroups: {exc.strerror}")
+    wanted = ("cpu", "memory", "pids")
+    v1 = {c: os.path.join(mnt, own[c].lstrip("/")) for kind, mnt, opts in mounts if kind == "cgroup"
+          for c in wanted if c in opts and c in own}
+    if v1:
+        writable = {c: d for c, d in v1.items() if os.access(d, os.W_OK)}
+        if writable:
+            return Limits("v1", writable)
+        return Limits("v1", reason="the cgroup v1 hierarchy is not writable by this user")
+    for kind, mnt, _ in mounts:
+        if kind != "cgroup2" or "" not in own:
+            continue
+        parent = os.path.join(mnt, own[""].lstrip("/"))
+        try:
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                enabled = set(f.read().split())
+        except OSError:
+            continue
+        usable = {c: parent for c in wanted if c in enabled}
+        if usable and os.access(parent, os.W_OK):
+            return Limits("v2", usable)
+        return Limits("v2", reason="cpu/memory/pids are not delegated to this process's cgroup")
+    return Limits("none", reason="no cgroup hierarchy with cpu, memory or pids controllers")
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None) -> list[str]:
+    """Make the guest's cgroup(s) with its limits; returns the dirs to join and later remove."""
+    made: list[str] = []
+    dirs = sorted(set(limits.parents.values())) if limits.version == "v2" else None
+    try:
+        if limits.version == "v2" and dirs:
+            path = os.path.join(dirs[0], f"smolvm-{name}")
+            os.mkdir(path)
+            made.append(path)
+            if "pids" in limits.parents:
+                _write(os.path.join(path, "pids.max"), str(DEFAULT_PIDS_MAX))
+            if memory_mb and "memory" in limits.parents:
+                _write(os.path.join(path, "memory.max"), str(memory_mb << 20))
+            if cpus and "cpu" in limits.parents:
+                _write(os.path.join(path, "cpu.max"), f"{int(cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+            return made
+        for controller, parent in sorted(limits.parents.items()):
+            path = os.path.join(parent, f"smolvm-{name}")
+            if path in made:
+                continue
+            os.mkdir(path)
+            made.append(path)
+            if controller == "pids":
+                _write(os.path.join(path, "pids.max"), str(DEFAULT_PIDS_MAX))
+            elif controller == "memory" and memory_mb:
+                _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_mb << 20))
+            elif controller == "cpu" and cpus:
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(int(cpus * CPU_PERIOD_US)))
+        return made
+    except OSError:
+        for path in made:
+            remove(path)
+        raise
+
+
+def remove(path: str, timeout: float = 2.0) -> None:
+    """rmdir a guest cgroup; the kernel may need a moment after its last process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)

@@ -1,0 +1,102 @@
+"""The ``pytest-smolvm`` command: doctor, ls, reap, shell."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from pytest_smolvm import registry
+from pytest_smolvm.lifecycle import destroy_record, reap_orphans
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = list(registry.records())
+    if not rows:
+        print("no guests recorded")
+        return 0
+    print(f"{'NAME':<32} {'BACKEND':<10} {'STATE':<8} {'OWNER':<14} {'AGE':>7}  TEST")
+    now = time.time()
+    for r in rows:
+        state = "kept" if r.kept else "live" if r.owner_alive else "orphan"
+        owner = f"{r.worker}/{r.owner_pid}"
+        print(f"{r.name:<32} {r.backend:<10} {state:<8} {owner:<14} {now - r.created_at:>6.0f}s  {r.test_id}")
+    return 0
+
+
+def _reap(args: argparse.Namespace) -> int:
+    names = dict.fromkeys(args.names) if args.names else None
+    if args.names and not args.kept:
+        # Naming a guest is asking for it: a kept guest named explicitly goes too.
+        report = reap_orphans(include_kept=True, names=names)
+    else:
+        report = reap_orphans(include_kept=args.kept, names=names)
+    for name in report.removed:
+        print(f"removed {name}")
+    for name, why in report.failed:
+        print(f"could not remove {name}: {why}", file=sys.stderr)
+    if not report.removed and not report.failed:
+        print("nothing to reap")
+    live = [r.name for r in registry.records() if not r.kept and r.owner_alive
+            and (names is None or r.name in names)]
+    if live and names is not None:
+        print(f"still owned by a running pytest (not touched): {', '.join(live)}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
+def _shell(args: argparse.Namespace) -> int:
+    record = next((r for r in registry.records() if r.name == args.name), None)
+    if record is None:
+        print(f"pytest-smolvm shell: no guest named {args.name!r} (see 'pytest-smolvm ls')", file=sys.stderr)
+        return 2
+    if record.backend != "namespace":
+        print(f"pytest-smolvm shell: {args.name} runs on {record.backend}; use its own tooling "
+              f"(for smol: smolvm machine exec --name {args.name} -- /bin/sh)", file=sys.stderr)
+        return 2
+    pid = str(record.data.get("pid", ""))
+    command = args.command or ["/bin/sh"]
+    flags = ["-m", "-u", "-i", "-n", "-p", "-r", "-w"]
+    if os.geteuid() != 0:
+        flags += ["-U", "--preserve-credentials"]
+    env = ["/usr/bin/env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "HOME=/root", f"HOSTNAME={args.name}", f"TERM={os.environ.get('TERM', 'xterm')}"]
+    argv = ["nsenter", "-t", pid, *flags, *env, *command]
+    try:
+        os.execvp("nsenter", argv)
+    except OSError as exc:
+        print(f"pytest-smolvm shell: cannot run nsenter: {exc.strerror}", file=sys.stderr)
+    return 2
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from pytest_smolvm.doctor import run_doctor  # noqa: PLC0415 - it probes; keep other commands light
+
+    return run_doctor(sys.stdout)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pytest-smolvm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="can this host boot microVMs? which backend runs, and the fix if not"
+                   ).set_defaults(run=_doctor)
+    sub.add_parser("ls", help="list the guests recorded on this host").set_defaults(run=_ls)
+    reap = sub.add_parser("reap", help="remove guests whose pytest process is gone")
+    reap.add_argument("names", nargs="*", help="only these guests")
+    reap.add_argument("--kept", action="store_true", help="also remove guests kept with --smol-keep")
+    reap.set_defaults(run=_reap)
+    shell = sub.add_parser("shell", help="open a shell in a kept guest")
+    shell.add_argument("name")
+    shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")
+    shell.set_defaults(run=_shell)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

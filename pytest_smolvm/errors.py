@@ -1,0 +1,27 @@
+"""Exceptions users see. Each one says what went wrong in one line."""
+
+from __future__ import annotations
+
+
+class SmolVMError(Exception):
+    """Base class of every pytest-smolvm error."""
+
+
+class UsageError(SmolVMError):
+    """A bad option, ini value or marker argument. Its message names the option."""
+
+
+class ProvisionError(SmolVMError):
+    """The backend could not make a guest: infrastructure, not the test's fault."""
+
+
+class GuestError(SmolVMError):
+    """A guest operation (file transfer, exec plumbing) failed."""
+
+
+class ExecError(SmolVMError):
+    """A command in the guest failed and ``check=True`` was asked for."""
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result

@@ -1,0 +1,168 @@
+"""Making and destroying guests, once for every backend: record, create, keep or destroy, forget.
+
+One :class:`SmolSession` per pytest process. It owns the backend instance and every guest
+this process made, and guarantees that each one is either destroyed, kept on purpose, or left
+with a registry record that a reaper can act on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_smolvm import baseline as baselines
+from pytest_smolvm import registry
+from pytest_smolvm.backends import Backend, Selection, VMSpec, backend_class, select_backend
+from pytest_smolvm.baseline import Baseline
+from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.settings import MarkerSpec, Settings
+from pytest_smolvm.vm import VM
+
+DESTROY_ATTEMPTS = 2
+
+
+class SmolVMWarning(UserWarning):
+    """A guest could not be destroyed; its registry record stays for the reaper."""
+
+
+@dataclass
+class LiveGuest:
+    vm: VM
+    record: registry.Record
+    guest: Any  # the backend's Guest; kept out of the VM's public surface
+    provision_seconds: float
+    kept: bool = False
+    destroy_seconds: float = 0.0
+
+
+@dataclass
+class SmolSession:
+    settings: Settings
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    worker: str = field(default_factory=lambda: os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+    def __post_init__(self) -> None:
+        self.selection: Selection = select_backend(self.settings.backend, self.settings.target)
+        self.backend_cls = backend_class(self.selection.name)
+        self.default_baseline: Baseline = baselines.resolve(self.settings.baseline, self.settings.rootdir)
+        self._baselines: dict[str | None, Baseline] = {None: self.default_baseline}
+        self._backend: Backend | None = None
+        self._lock = threading.Lock()
+        self._counter = itertools.count(1)
+        self.live: dict[str, LiveGuest] = {}
+        self.kept: list[registry.Record] = []
+
+    # ------------------------------------------------------------------ backend and baselines
+
+    @property
+    def backend(self) -> Backend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = self.backend_cls()
+            return self._backend
+
+    def baseline_for(self, image: str | None) -> Baseline:
+        if image not in self._baselines:
+            try:
+                self._baselines[image] = baselines.resolve(image, self.settings.rootdir)
+            except UsageError as exc:
+                raise UsageError(str(exc).replace("--smol-baseline", "@pytest.mark.smol(image)")) from None
+        return self._baselines[image]
+
+    # ------------------------------------------------------------------ guests
+
+    def new_name(self) -> str:
+        return f"smol-{self.run_id[:8]}-{self.worker}-{next(self._counter)}"
+
+    def create(self, test_id: str, spec: MarkerSpec) -> LiveGuest:
+        """Record, then create. Raises ProvisionError (infrastructure) or UsageError (bad spec)."""
+        base = self.baseline_for(spec.image)
+        name = self.new_name()
+        record = registry.Record.for_this_process(name, self.selection.name, self.run_id, self.worker, test_id)
+        record.save()
+        started = time.monotonic()
+        try:
+            backend = self.backend
+            guest = backend.create(VMSpec(
+                name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
+                network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env),
+                labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker,
+                        "owner_pid": str(os.getpid())}))
+        except UsageError:
+            record.remove()
+            raise
+        except BaseException as exc:
+            record.remove()
+            if isinstance(exc, Exception) and not isinstance(exc, ProvisionError):
+                raise ProvisionError(f"{type(exc).__name__}: {exc}") from exc
+            raise
+        record.data = guest.registry_data()
+        record.save()
+        vm = VM(guest, default_timeout=spec.timeout, backend=self.selection.name,
+                isolation=backend.isolation, baseline=base.reference, digest=base.digest)
+        live = LiveGuest(vm, record, guest, time.monotonic() - started)
+        self.live[name] = live
+        return live
+
+    def keep(self, live: LiveGuest) -> None:
+        live.guest.keep()
+        live.kept = True
+        live.record.kept = True
+        live.record.save()
+        self.kept.append(live.record)
+        self.live.pop(live.vm.name, None)
+
+    def destroy(self, live: LiveGuest) -> bool:
+        """Destroy and forget; on failure warn and leave the record. Never raises."""
+        self.live.pop(live.vm.name, None)
+        started = time.monotonic()
+        error: BaseException | None = None
+        for _attempt in range(DESTROY_ATTEMPTS):
+            try:
+                live.guest.destroy()
+                error = None
+                break
+            except Exception as exc:  # a failed destroy must never replace the test's outcome
+                error = exc
+        live.destroy_seconds = time.monotonic() - started
+        if error is not None:
+            warnings.warn(SmolVMWarning(
+                f"guest {live.vm.name} could not be destroyed ({type(error).__name__}: {error}); "
+                "its registry record stays: run 'pytest-smolvm reap' to remove it"), stacklevel=2)
+            return False
+        live.record.remove()
+        return True
+
+    def close(self) -> None:
+        """Destroy whatever this process still has alive, then release the backend."""
+        for live in list(self.live.values()):
+            self.destroy(live)
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    # ------------------------------------------------------------------ reaping
+
+    def reap_orphans(self, *, include_kept: bool = False) -> registry.ReapReport:
+        return reap_orphans(include_kept=include_kept)
+
+
+def destroy_record(record: registry.Record) -> None:
+    backend_class(record.backend)().destroy_recorded(record.data)
+
+
+def reap_orphans(*, include_kept: bool = False, names: Mapping[str, object] | None = None) -> registry.ReapReport:
+    """Remove guests whose owner process is gone (``names`` narrows it to those names)."""
+    def select(record: registry.Record) -> bool:
+        if names is not None and record.name not in names:
+            return False
+        return registry.orphaned(record, include_kept=include_kept)
+
+    return registry.reap(select, destroy_record)

@@ -1,0 +1,180 @@
+"""pytest hooks and fixtures: thin glue over settings, lifecycle, registry and reporting."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from pytest_smolvm import hookspecs, reporting
+from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.lifecycle import LiveGuest, SmolSession, reap_orphans
+from pytest_smolvm.registry import records
+from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
+from pytest_smolvm.vm import VM
+
+SESSION_KEY = pytest.StashKey[SmolSession]()
+GUESTS_KEY = pytest.StashKey[list[LiveGuest]]()
+REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
+RUN_ID_INPUT = "smolvm_run_id"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    run_id = config.workerinput[RUN_ID_INPUT] if _is_worker(config) else uuid.uuid4().hex  # type: ignore[attr-defined]
+    try:
+        session = SmolSession(Settings.from_config(config), run_id=run_id)
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[SESSION_KEY] = session
+    config.stash[SIGNALS_KEY] = _signals_to_keyboard_interrupt()
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistController(session), "smolvm-xdist")
+
+
+def _signals_to_keyboard_interrupt() -> dict[int, Any]:
+    """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs."""
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, interrupt)
+        except ValueError:  # not the main thread: leave signals to whoever owns it
+            break
+    return previous
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None:
+        session.close()
+    for sig, handler in config.stash.get(SIGNALS_KEY, {}).items():
+        signal.signal(sig, handler)
+
+
+class XdistController:
+    """Hooks that exist only when pytest-xdist is installed (registered on demand)."""
+
+    def __init__(self, session: SmolSession) -> None:
+        self.session = session
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput[RUN_ID_INPUT] = self.session.run_id
+
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        if error:
+            reap_orphans()  # the dead worker's guests died with it; this clears what they left
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not _is_worker(session.config):
+        reap_orphans()  # what dead runs left behind
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    smol = session.config.stash.get(SESSION_KEY, None)
+    if smol is not None:
+        smol.close()
+        if not _is_worker(session.config):
+            reap_orphans()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return reporting.header_lines(config.stash[SESSION_KEY])
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if _is_worker(config):
+        return
+    session = config.stash[SESSION_KEY]
+    kept = [r for r in records() if r.kept and r.run_id == session.run_id]
+    lines = reporting.summary_lines(session, kept)
+    if lines:
+        terminalreporter.section("smolvm")
+        for line in lines:
+            terminalreporter.line(line)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report: pytest.TestReport = yield  # type: ignore[misc]
+    item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+    guests = item.stash.get(GUESTS_KEY, [])
+    if report.failed and guests and report.when != "teardown":
+        report.sections.extend(reporting.guest_sections(guests))
+    return report  # type: ignore[return-value]
+
+
+def _test_failed(item: pytest.Item) -> bool:
+    return any(r.failed for r in item.stash.get(REPORTS_KEY, {}).values())
+
+
+def _fail_setup(message: str) -> None:
+    pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture
+def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM]]:
+    """Make guests on demand: ``smol_vm_factory(**marker_keywords)``; all destroyed at teardown."""
+    item = request.node
+    session = request.config.stash[SESSION_KEY]
+    made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
+    try:
+        base_spec = marker_spec(item)
+    except UsageError as exc:
+        _fail_setup(str(exc))
+
+    def make(**keywords: Any) -> VM:
+        spec = base_spec
+        try:
+            spec = base_spec.merged(keywords, "smol_vm_factory")
+            proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
+            item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
+            spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
+            live = session.create(item.nodeid, spec)
+        except UsageError as exc:
+            _fail_setup(str(exc))
+        except ProvisionError as exc:
+            _fail_setup(f"pytest-smolvm: could not provision a guest (infrastructure, not the test): {exc}")
+        made.append(live)
+        item.config.hook.pytest_smolvm_vm_ready(item=item, vm=live.vm)
+        return live.vm
+
+    try:
+        yield make
+    finally:
+        keep = session.settings.keep
+        for live in reversed(made):
+            if keep == "always" or keep == "failed" and _test_failed(item):
+                session.keep(live)
+            else:
+                session.destroy(live)
+        made.clear()
+
+
+@pytest.fixture
+def smol_vm(smol_vm_factory: Callable[..., VM]) -> VM:
+    """A fresh guest for this test (and so for each parametrized case), destroyed afterwards."""
+    return smol_vm_factory()
+

@@ -1,0 +1,112 @@
+"""The host-wide registry of guests: one JSON record per guest, written before it starts.
+
+A record outlives its owner only when something went wrong (a crash, a failed destroy) or on
+purpose (``--smol-keep``). Whoever finds a record whose owner is dead removes the guest and
+then the record: the reaper, at session start or end, or ``pytest-smolvm reap`` by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_smolvm.paths import state_dir
+from pytest_smolvm.procs import is_alive, process_start_time
+
+
+def registry_dir() -> Path:
+    return state_dir() / "registry"
+
+
+@dataclass
+class Record:
+    name: str
+    backend: str
+    run_id: str
+    worker: str
+    owner_pid: int
+    owner_start: int | None
+    test_id: str
+    created_at: float = field(default_factory=time.time)
+    kept: bool = False
+    data: dict[str, Any] = field(default_factory=dict)  # the backend's registry_data()
+
+    @classmethod
+    def for_this_process(cls, name: str, backend: str, run_id: str, worker: str, test_id: str) -> Record:
+        pid = os.getpid()
+        return cls(name, backend, run_id, worker, pid, process_start_time(pid), test_id)
+
+    @property
+    def path(self) -> Path:
+        return registry_dir() / f"{self.name}.json"
+
+    @property
+    def owner_alive(self) -> bool:
+        return is_alive(self.owner_pid, self.owner_start)
+
+    def save(self) -> None:
+        """Write atomically: a reader sees the old record or the new one, never half of one."""
+        directory = registry_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{self.name}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def load(path: Path) -> Record | None:
+    try:
+        raw: Mapping[str, Any] = json.loads(path.read_text())
+        return Record(**raw)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def records() -> Iterator[Record]:
+    directory = registry_dir()
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("*.json")):
+        record = load(path)
+        if record is not None:
+            yield record
+
+
+@dataclass
+class ReapReport:
+    removed: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+
+def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) -> ReapReport:
+    """Destroy every recorded guest that ``select`` picks, then forget it.
+
+    A guest whose destroy fails keeps its record, so a later reap can try again.
+    """
+    report = ReapReport()
+    for record in list(records()):
+        if not select(record):
+            continue
+        try:
+            destroy(record)
+        except Exception as exc:  # one stuck guest must not stop the others' cleanup
+            report.failed.append((record.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        record.remove()
+        report.removed.append(record.name)
+    return report
+
+
+def orphaned(record: Record, *, include_kept: bool = False) -> bool:
+    """A guest whose owner is gone (pid dead, or reused by another process)."""
+    return (include_kept or not record.kept) and not record.owner_alive

@@ -1,0 +1,50 @@
+"""What the user reads: the report header, guest sections on failed tests, the closing summary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytest_smolvm.lifecycle import LiveGuest, SmolSession
+    from pytest_smolvm.registry import Record
+
+SECTION_PREFIX = "smolvm guest"
+
+
+def header_lines(session: SmolSession) -> list[str]:
+    base = session.default_baseline
+    lines = [
+        f"smolvm: backend {session.selection.name} "
+        f"(isolation: {session.backend_cls.isolation}; {session.selection.reason})",
+        f"smolvm: baseline {base.reference} ({base.kind}, {base.digest})",
+    ]
+    describe = getattr(session.backend_cls, "describe_host", None)
+    if callable(describe):
+        lines.extend(f"smolvm: {line}" for line in describe())
+    return lines
+
+
+def guest_sections(guests: Iterable[LiveGuest]) -> list[tuple[str, str]]:
+    """One report section per guest: its logs and exec transcript."""
+    sections = []
+    for live in guests:
+        try:
+            text = live.vm.logs()
+        except Exception as exc:  # a broken guest must not hide the test's own failure
+            text = f"(guest logs unavailable: {type(exc).__name__}: {exc})\n{live.vm.transcript_text()}"
+        sections.append((f"{SECTION_PREFIX} {live.vm.name}", text))
+    return sections
+
+
+def summary_lines(session: SmolSession, kept: Iterable[Record]) -> list[str]:
+    lines = []
+    if session.backend_cls.isolation == "namespace":
+        lines.append(f"guests ran on the namespace backend: {session.selection.reason}")
+    kept = list(kept)
+    if kept:
+        lines.append(f"{len(kept)} guest(s) kept alive for debugging:")
+        for record in kept:
+            lines.append(f"  {record.name}  ({record.test_id})  enter: pytest-smolvm shell {record.name}")
+        lines.append("  remove them with: pytest-smolvm reap --kept")
+    return lines

@@ -1,0 +1,195 @@
+"""Options, ini keys and the ``smol`` marker: parsed once, validated with one-line errors.
+
+Precedence for every setting: marker > command line > ini > default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_smolvm.errors import UsageError
+
+BACKEND_CHOICES = ("auto", "smol", "namespace")
+TARGET_CHOICES = ("local", "cloud")
+KEEP_CHOICES = ("never", "failed", "always")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env")
+
+# (option, ini key, help); defaults live in Settings so that "not given" stays visible.
+OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("--smol-baseline", "smol_baseline",
+     "baseline every guest forks from: rootfs dir, rootfs tarball (.tar/.tar.gz/.tar.zst), "
+     "docker-save/OCI archive, .smolmachine or registry ref (smol). Default: the bundled Alpine rootfs."),
+    ("--smol-backend", "smol_backend",
+     "auto (microVM if one boots here, else namespace), smol or namespace. Default: auto."),
+    ("--smol-target", "smol_target", "where smol microVMs run: local or cloud. Default: local."),
+    ("--smol-keep", "smol_keep",
+     "keep guests after their test: never, failed or always. Default: never."),
+    ("--smol-max-vms", "smol_max_vms", "most guests alive at once on this host, all workers together."),
+    ("--smol-results", "smol_results", "write one JSON line per test/episode to this file."),
+    ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
+)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("smolvm", "pytest-smolvm: a fresh guest per test")
+    for option, ini, help_text in OPTIONS:
+        group.addoption(option, dest=ini, default=None, metavar=ini.upper().removeprefix("SMOL_"),
+                        help=help_text)
+        parser.addini(ini, help=help_text, default=None)
+
+
+@dataclass(frozen=True)
+class Settings:
+    baseline: str | None = None
+    backend: str = "auto"
+    target: str = "local"
+    keep: str = "never"
+    max_vms: int | None = None
+    results: Path | None = None
+    artifacts: Path | None = None
+    rootdir: Path = field(default_factory=Path.cwd)
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Settings:
+        """Read CLI over ini; raise UsageError naming the option for any bad value."""
+        values: dict[str, tuple[str, str | None, Path]] = {}
+        for option, ini, _ in OPTIONS:
+            cli_value = config.getoption(ini)
+            if cli_value is not None:
+                values[ini] = (option, str(cli_value), config.invocation_params.dir)
+                continue
+            ini_value = config.getini(ini)
+            if ini_value not in (None, ""):
+                values[ini] = (ini, str(ini_value), config.rootpath)
+
+        def get(key: str) -> tuple[str, str | None, Path]:
+            return values.get(key, (key, None, config.rootpath))
+
+        settings = cls(rootdir=config.rootpath)
+        name, value, _ = get("smol_backend")
+        if value is not None:
+            settings = replace(settings, backend=_known_backend(name, value))
+        for key, choices, attr in (("smol_target", TARGET_CHOICES, "target"),
+                                   ("smol_keep", KEEP_CHOICES, "keep")):
+            name, value, _ = get(key)
+            if value is not None:
+                if value not in choices:
+                    raise UsageError(f"{name}={value}: choose one of {', '.join(choices)}")
+                settings = replace(settings, **{attr: value})
+        name, value, _ = get("smol_max_vms")
+        if value is not None:
+            settings = replace(settings, max_vms=_positive_int(name, value))
+        name, value, base = get("smol_baseline")
+        if value is not None:
+            settings = replace(settings, baseline=value, rootdir=base)
+        for key, attr in (("smol_results", "results"), ("smol_artifacts", "artifacts")):
+            name, value, base = get(key)
+            if value is not None:
+                if not value.strip():
+                    raise UsageError(f"{name}: expected a path, got an empty value")
+                settings = replace(settings, **{attr: (base / Path(value).expanduser())})
+        return settings
+
+
+def _known_backend(name: str, value: str) -> str:
+    if value in BACKEND_CHOICES:
+        return value
+    from pytest_smolvm.backends import backend_class  # noqa: PLC0415 - third-party names only
+
+    try:
+        backend_class(value)
+    except UsageError:
+        raise UsageError(f"{name}={value}: unknown backend (choose auto, smol, namespace or an "
+                         "installed pytest_smolvm.backends entry point)") from None
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}={value}: expected a positive integer") from None
+    if number <= 0 or isinstance(value, bool):
+        raise UsageError(f"{name}={value}: expected a positive integer")
+    return number
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{name}={value!r}: expected a positive number")
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{name}={value!r}: expected a positive number")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class MarkerSpec:
+    """The ``smol`` marker's keywords for one test, closest marker winning per keyword."""
+
+    image: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    network: bool = False
+    allow_hosts: tuple[str, ...] = ()
+    timeout: float | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
+        """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
+        unknown = sorted(set(overrides) - set(MARKER_KEYWORDS))
+        if unknown:
+            raise UsageError(f"{where}: unknown keyword {unknown[0]!r} "
+                             f"(expected one of {', '.join(MARKER_KEYWORDS)})")
+        changes: dict[str, Any] = {}
+        for key, value in overrides.items():
+            label = f"{where}({key}=...)"
+            if value is None and key in ("image", "cpus", "memory_mb", "timeout"):
+                changes[key] = None
+            elif key == "image":
+                if not isinstance(value, str) or not value:
+                    raise UsageError(f"{label}: image must be a non-empty string")
+                changes[key] = value
+            elif key == "cpus":
+                changes[key] = _positive_number(f"{where}(cpus)", value)
+            elif key == "memory_mb":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise UsageError(f"{where}(memory_mb={value!r}): expected a positive integer")
+                changes[key] = _positive_int(f"{where}(memory_mb)", value)
+            elif key == "timeout":
+                changes[key] = _positive_number(f"{where}(timeout)", value)
+            elif key == "network":
+                if not isinstance(value, bool):
+                    raise UsageError(f"{where}(network={value!r}): expected True or False")
+                changes[key] = value
+            elif key == "allow_hosts":
+                if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
+                    raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
+                changes[key] = tuple(value)
+            elif key == "env":
+                if not isinstance(value, Mapping) or not all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                    raise UsageError(f"{where}(env={value!r}): expected a dict of str to str")
+                changes[key] = {**self.env, **value}
+        return replace(self, **changes)
+
+
+def marker_spec(item: pytest.Item) -> MarkerSpec:
+    """The ``smol`` markers on ``item`` (module, class, function), the closest winning."""
+    spec = MarkerSpec()
+    for mark in reversed(list(item.iter_markers("smol"))):  # farthest first, closest last
+        if mark.args:
+            raise UsageError(f"@pytest.mark.smol takes keywords only, got positional {mark.args!r}")
+        spec = spec.merged(mark.kwargs, "@pytest.mark.smol")
+    return spec
+
+
+MARKERS = (
+    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}): "
+    "guest settings for this test's smol_vm (pytest-smolvm)",
+)
