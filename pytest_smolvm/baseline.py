@@ -97,8 +97,8 @@ def resolve(reference: str | None, rootdir: Path) -> Baseline:
 
 def _looks_like_path(reference: str) -> bool:
     return (reference.startswith(("/", "./", "../", "~")) or reference.endswith(TAR_SUFFIXES)
-            or reference.endswith(".smolmachine") or os.sep in reference and ":" not in reference
-            and "." not in reference.split("/", 1)[0])
+            or reference.endswith(".smolmachine") or (os.sep in reference and ":" not in reference
+            and "." not in reference.split("/", 1)[0]))
 
 
 # --------------------------------------------------------------------------- digests
@@ -232,12 +232,12 @@ def _is_image_archive(path: Path) -> bool:
 
 def _decompressed(raw: IO[bytes]) -> IO[bytes]:
     head = raw.read(4)
-    rest: IO[bytes] = _Prefixed(head, raw)
+    rest: Any = _Prefixed(head, raw)
     if head[:2] == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=rest)  # type: ignore[return-value]
     if head == b"\x28\xb5\x2f\xfd":
-        return zstandard.ZstdDecompressor().stream_reader(rest)  # type: ignore[return-value]
-    return rest
+        return zstandard.ZstdDecompressor().stream_reader(rest)
+    return rest  # type: ignore[no-any-return]
 
 
 class _Prefixed(io.RawIOBase):

@@ -9,8 +9,6 @@ import pytest
 from pytest_smolvm.vm import VM
 
 
-
-
 def pytest_smolvm_configure_vm(item: pytest.Item, spec: dict[str, Any]) -> None:
     """Adjust a guest's settings before it is made.
 

@@ -19,7 +19,14 @@ from typing import Any
 
 from pytest_smolvm import baseline as baselines
 from pytest_smolvm import registry
-from pytest_smolvm.backends import Backend, Selection, VMSpec, backend_class, select_backend
+from pytest_smolvm.backends import (
+    Backend,
+    BackendOptions,
+    Selection,
+    VMSpec,
+    backend_class,
+    select_backend,
+)
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.settings import MarkerSpec, Settings
@@ -51,7 +58,11 @@ class SmolSession:
     def __post_init__(self) -> None:
         self.selection: Selection = select_backend(self.settings.backend, self.settings.target)
         self.backend_cls = backend_class(self.selection.name)
-        self.default_baseline: Baseline = baselines.resolve(self.settings.baseline, self.settings.rootdir)
+        try:
+            self.default_baseline: Baseline = baselines.resolve(self.settings.baseline, self.settings.rootdir)
+            self.backend_cls.check_baseline(self.default_baseline)
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("--smol-baseline", self.settings.baseline_option)) from None
         self._baselines: dict[str | None, Baseline] = {None: self.default_baseline}
         self._backend: Backend | None = None
         self._lock = threading.Lock()
@@ -65,13 +76,16 @@ class SmolSession:
     def backend(self) -> Backend:
         with self._lock:
             if self._backend is None:
-                self._backend = self.backend_cls()
+                self._backend = self.backend_cls(BackendOptions(
+                    target=self.settings.target, labels={"run": self.run_id, "worker": self.worker}))
             return self._backend
 
     def baseline_for(self, image: str | None) -> Baseline:
         if image not in self._baselines:
             try:
-                self._baselines[image] = baselines.resolve(image, self.settings.rootdir)
+                resolved = baselines.resolve(image, self.settings.rootdir)
+                self.backend_cls.check_baseline(resolved)
+                self._baselines[image] = resolved
             except UsageError as exc:
                 raise UsageError(str(exc).replace("--smol-baseline", "@pytest.mark.smol(image)")) from None
         return self._baselines[image]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import signal
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -21,6 +21,7 @@ SESSION_KEY = pytest.StashKey[SmolSession]()
 GUESTS_KEY = pytest.StashKey[list[LiveGuest]]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
+COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 RUN_ID_INPUT = "smolvm_run_id"
 
 
@@ -46,6 +47,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
     config.stash[SIGNALS_KEY] = _signals_to_keyboard_interrupt()
+    counter = GuestTestCounter()
+    config.stash[COUNTER_KEY] = counter
+    config.pluginmanager.register(counter, "smolvm-counter")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistController(session), "smolvm-xdist")
 
@@ -70,6 +74,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         session.close()
     for sig, handler in config.stash.get(SIGNALS_KEY, {}).items():
         signal.signal(sig, handler)
+
+
+class GuestTestCounter:
+    """Counts tests that used a guest, from xdist workers' reports too (the controller sees them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and any(k == "smolvm_backend" for k, _ in report.user_properties):
+            self.count += 1
 
 
 class XdistController:
@@ -109,7 +124,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     session = config.stash[SESSION_KEY]
     kept = [r for r in records() if r.kept and r.run_id == session.run_id]
-    lines = reporting.summary_lines(session, kept)
+    lines = reporting.summary_lines(session, kept, used_guests=config.stash[COUNTER_KEY].count > 0)
     if lines:
         terminalreporter.section("smolvm")
         for line in lines:
@@ -117,20 +132,21 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    report: pytest.TestReport = yield  # type: ignore[misc]
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+        None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
     guests = item.stash.get(GUESTS_KEY, [])
     if report.failed and guests and report.when != "teardown":
         report.sections.extend(reporting.guest_sections(guests))
-    return report  # type: ignore[return-value]
+    return report
 
 
 def _test_failed(item: pytest.Item) -> bool:
     return any(r.failed for r in item.stash.get(REPORTS_KEY, {}).values())
 
 
-def _fail_setup(message: str) -> None:
+def _fail_setup(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
 
 
@@ -141,22 +157,33 @@ def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM
     session = request.config.stash[SESSION_KEY]
     made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
     try:
-        base_spec = marker_spec(item)
+        base_spec: MarkerSpec | None = marker_spec(item)
+        problem = ""
     except UsageError as exc:
-        _fail_setup(str(exc))
+        base_spec, problem = None, str(exc)
+    if base_spec is None:
+        _fail_setup(problem)  # outside the except block: no chained traceback in the report
+    assert base_spec is not None
 
     def make(**keywords: Any) -> VM:
-        spec = base_spec
         try:
             spec = base_spec.merged(keywords, "smol_vm_factory")
             proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
             item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
             spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
-            live = session.create(item.nodeid, spec)
+            live: LiveGuest | None = session.create(item.nodeid, spec)
+            problem = ""
         except UsageError as exc:
-            _fail_setup(str(exc))
+            live, problem = None, str(exc)
         except ProvisionError as exc:
-            _fail_setup(f"pytest-smolvm: could not provision a guest (infrastructure, not the test): {exc}")
+            live, problem = None, f"pytest-smolvm: could not provision a guest (infrastructure, not the test): {exc}"
+        if live is None:
+            _fail_setup(problem)
+        assert live is not None
+        if not made:  # on the item, so every later report (and JUnit XML) carries them
+            item.user_properties += [("smolvm_backend", live.vm.backend),
+                                     ("smolvm_baseline", live.vm.baseline),
+                                     ("smolvm_baseline_digest", live.vm.digest)]
         made.append(live)
         item.config.hook.pytest_smolvm_vm_ready(item=item, vm=live.vm)
         return live.vm
@@ -166,7 +193,7 @@ def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM
     finally:
         keep = session.settings.keep
         for live in reversed(made):
-            if keep == "always" or keep == "failed" and _test_failed(item):
+            if keep == "always" or (keep == "failed" and _test_failed(item)):
                 session.keep(live)
             else:
                 session.destroy(live)

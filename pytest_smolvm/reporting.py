@@ -37,9 +37,9 @@ def guest_sections(guests: Iterable[LiveGuest]) -> list[tuple[str, str]]:
     return sections
 
 
-def summary_lines(session: SmolSession, kept: Iterable[Record]) -> list[str]:
+def summary_lines(session: SmolSession, kept: Iterable[Record], *, used_guests: bool) -> list[str]:
     lines = []
-    if session.backend_cls.isolation == "namespace":
+    if used_guests and session.backend_cls.isolation == "namespace":
         lines.append(f"guests ran on the namespace backend: {session.selection.reason}")
     kept = list(kept)
     if kept:

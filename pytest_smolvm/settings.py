@@ -54,6 +54,7 @@ class Settings:
     results: Path | None = None
     artifacts: Path | None = None
     rootdir: Path = field(default_factory=Path.cwd)
+    baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -72,6 +73,7 @@ class Settings:
             return values.get(key, (key, None, config.rootpath))
 
         settings = cls(rootdir=config.rootpath)
+        changes: dict[str, Any] = {}
         name, value, _ = get("smol_backend")
         if value is not None:
             settings = replace(settings, backend=_known_backend(name, value))
@@ -81,26 +83,26 @@ class Settings:
             if value is not None:
                 if value not in choices:
                     raise UsageError(f"{name}={value}: choose one of {', '.join(choices)}")
-                settings = replace(settings, **{attr: value})
+                changes[attr] = value
         name, value, _ = get("smol_max_vms")
         if value is not None:
             settings = replace(settings, max_vms=_positive_int(name, value))
         name, value, base = get("smol_baseline")
         if value is not None:
-            settings = replace(settings, baseline=value, rootdir=base)
+            settings = replace(settings, baseline=value, rootdir=base, baseline_option=name)
         for key, attr in (("smol_results", "results"), ("smol_artifacts", "artifacts")):
             name, value, base = get(key)
             if value is not None:
                 if not value.strip():
                     raise UsageError(f"{name}: expected a path, got an empty value")
-                settings = replace(settings, **{attr: (base / Path(value).expanduser())})
-        return settings
+                changes[attr] = base / Path(value).expanduser()
+        return replace(settings, **changes)
 
 
 def _known_backend(name: str, value: str) -> str:
     if value in BACKEND_CHOICES:
         return value
-    from pytest_smolvm.backends import backend_class  # noqa: PLC0415 - third-party names only
+    from pytest_smolvm.backends import backend_class
 
     try:
         backend_class(value)

@@ -154,15 +154,15 @@ class VM:
 
         def produce(out: IO[bytes]) -> None:
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(source, arcname=base, recursive=True)
+                tar.add(source, arcname=base, recursive=True, filter=_owned_by_guest_root)
 
         self._guest.put_archive(parent or "/", produce)
 
     def copy_out(self, src: str, dest: str | os.PathLike[str]) -> Path:
         """Copy a guest file or tree to ``dest`` on the host; returns ``dest``.
 
-        The guest controls what arrives: absolute paths, ``..`` and links that point outside
-        ``dest`` are refused, devices are dropped, and nothing is written outside ``dest``.
+        The guest controls what arrives: absolute paths, ``..``, device files and links that
+        point outside ``dest`` are refused, and nothing is written outside ``dest``.
         """
         _require_absolute(src, "copy_out")
         target = Path(dest)
@@ -176,8 +176,11 @@ class VM:
                     for member in tar:
                         if member.name != PAYLOAD and not member.name.startswith(PAYLOAD + "/"):
                             raise GuestError(f"copy_out: guest archive has an unexpected member {member.name!r}")
+                        if (member.issym() or member.islnk()) and not _link_stays_inside(member, staging):
+                            raise GuestError(f"copy_out: refused {member.name!r} from the guest: "
+                                             f"its link {member.linkname!r} leaves {src}")
                         try:
-                            tar.extract(member, staging, filter="data")
+                            tar.extract(member, staging, filter=_data_keeping_dir_modes)
                         except tarfile.FilterError as exc:
                             raise GuestError(f"copy_out: refused {member.name!r} from the guest: {exc}") from exc
 
@@ -209,6 +212,34 @@ class VM:
         if not self.transcript:
             return "(no commands were run in this guest)"
         return "\n".join(entry.render() for entry in self.transcript)
+
+
+def _data_keeping_dir_modes(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile's "data" filter, except that a directory keeps its permission bits.
+
+    "data" resets directory modes; the guest's 0750 tree should come back 0750. Only the
+    permission bits are kept: setuid/setgid/sticky stay stripped.
+    """
+    filtered = tarfile.data_filter(member, dest)
+    if member.isdir() and member.mode is not None:
+        return filtered.replace(mode=member.mode & 0o777, deep=False)
+    return filtered
+
+
+def _link_stays_inside(member: tarfile.TarInfo, staging: Path) -> bool:
+    """A link must resolve inside the copied tree itself, not merely inside the staging dir."""
+    if os.path.isabs(member.linkname):
+        return False
+    start = staging / os.path.dirname(member.name) if member.issym() else staging
+    resolved = os.path.normpath(start / member.linkname)
+    root = str(staging / PAYLOAD)
+    return resolved == root or resolved.startswith(root + os.sep)
+
+
+def _owned_by_guest_root(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    # Host uids mean nothing in the guest (and are unmapped in a user namespace, where a
+    # failed chown would also skip the chmod): copied-in files belong to the guest's root.
+    return member.replace(uid=0, gid=0, uname="root", gname="root", deep=False)
 
 
 def _require_absolute(path: str, what: str) -> None:

@@ -40,6 +40,16 @@ class VMSpec:
 
 
 @dataclass(frozen=True)
+class BackendOptions:
+    """What the session tells a backend when it makes one (every backend takes the same)."""
+
+    target: str = "local"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # Runs in each freshly made baseline guest before anything forks from it.
+    prepare_source: Callable[[Guest], None] | None = None
+
+
+@dataclass(frozen=True)
 class GuestExecResult:
     exit_code: int
     stdout: bytes
@@ -89,8 +99,14 @@ class Backend(Protocol):
     name: ClassVar[str]
     isolation: ClassVar[str]  # "microvm" or "namespace": shown to users wherever it is used
 
+    def __init__(self, options: BackendOptions | None = None) -> None: ...
+
     @classmethod
     def probe(cls) -> ProbeResult: ...
+
+    @classmethod
+    def check_baseline(cls, baseline: Baseline) -> None:
+        """Raise UsageError (naming --smol-baseline) if this backend cannot use ``baseline``."""
 
     def prepare(self, baseline: Baseline) -> None:
         """Make ``baseline`` ready to fork from, once per host (the caller holds no lock)."""
@@ -114,8 +130,8 @@ def backend_class(name: str) -> type[Backend]:
         known = sorted({*BUILTIN_BACKENDS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
         raise UsageError(f"--smol-backend={name}: unknown backend (choose auto, {', '.join(known)})")
     module_name, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr)
-    return cls  # type: ignore[no-any-return]
+    found: type[Backend] = getattr(importlib.import_module(module_name), attr)
+    return found
 
 
 @dataclass(frozen=True)

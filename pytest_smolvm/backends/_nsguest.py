@@ -172,7 +172,7 @@ def _mount_root(req: dict[str, Any]) -> str:
 
 def _loopback_up() -> None:
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    import fcntl  # noqa: PLC0415 - stdlib, imported before pivot (see _preload)
+    import fcntl
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         ifreq = struct.pack("16sH14x", b"lo", 0)
@@ -513,9 +513,9 @@ def zygote(sock: socket.socket) -> None:
 
 def _preload() -> None:
     """Import now what guest-side code imports lazily later, when host paths are gone."""
-    import fcntl  # noqa: F401, PLC0415
+    import fcntl  # noqa: F401
 
-    "".encode("utf-8").decode("utf-8", "replace")
+    b"".decode("utf-8", "replace")
     array.array("i")
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
-from pytest_smolvm.backends import GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, GuestExecResult, ProbeResult, VMSpec
 from pytest_smolvm.baseline import Baseline, Rootfs, unpack
-from pytest_smolvm.errors import GuestError, ProvisionError
+from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
 from pytest_smolvm.procs import process_start_time, wait_gone
 
@@ -57,8 +57,9 @@ class Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The state dir in argv names whose helper (and whose guests' inits) a process is.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(GUEST_HELPER), str(theirs.fileno())],
+            [sys.executable, "-I", "-S", str(GUEST_HELPER), str(theirs.fileno()), str(state_dir())],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
@@ -194,7 +195,7 @@ class NamespaceGuest:
                     timed_out = True
                     _send(self._ctl, {"op": "kill", "pid": pid})
                     continue
-                for fd, ev in events:
+                for fd, _events in events:
                     if fd == self._ctl.fileno():
                         reply, _ = _recv(self._ctl)
                         if reply is None:
@@ -205,16 +206,16 @@ class NamespaceGuest:
                         try:
                             written = os.write(in_w, pending[:65536])
                             pending = pending[written:]
-                        except (BrokenPipeError, BlockingIOError) as exc:
-                            if isinstance(exc, BrokenPipeError):
-                                pending = memoryview(b"")
+                        except BlockingIOError:
+                            pass
+                        except BrokenPipeError:  # the command does not read its stdin: fine
+                            pending = memoryview(b"")
                         if not pending:
                             poller.unregister(in_w)
                             os.close(in_w)
                             in_w = -1
                     elif fd in sinks:
-                        if not self._drain(fd, sinks, poller):
-                            continue
+                        self._drain(fd, sinks, poller)
             # The command is done: take what it already wrote, but never wait for a
             # background process that inherited its stdout.
             for fd in list(sinks):
@@ -309,9 +310,13 @@ class NamespaceGuest:
         consumer = threading.Thread(target=run_consumer, daemon=True)
         consumer.start()
         out = os.fdopen(write_fd, "wb")
+
+        def forward(data: bytes) -> None:
+            out.write(data)
+
         try:
             self._file_op({"op": "get_archive", "path": guest_path, "arcname": arcname},
-                          stdout_sink=out.write)
+                          stdout_sink=forward)
         finally:
             out.close()
             consumer.join()
@@ -334,9 +339,9 @@ class NamespaceGuest:
     def destroy(self) -> None:
         if self._destroyed:
             return
-        self._destroyed = True
         self._ctl.close()
-        destroy_recorded(self.registry_data())
+        destroy_recorded(self.registry_data())  # may raise; a retry starts over
+        self._destroyed = True
 
 
 def destroy_recorded(data: Mapping[str, Any]) -> None:
@@ -372,7 +377,8 @@ class NamespaceBackend:
     name: ClassVar[str] = "namespace"
     isolation: ClassVar[str] = "namespace"
 
-    def __init__(self) -> None:
+    def __init__(self, options: BackendOptions | None = None) -> None:
+        self.options = options or BackendOptions()
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
         self._rootfs: dict[str, Rootfs] = {}
@@ -387,6 +393,21 @@ class NamespaceBackend:
             return ProbeResult(False, "not root and unprivileged user namespaces are disabled "
                                       "(sysctl user.max_user_namespaces / kernel.unprivileged_userns_clone)")
         return ProbeResult(True, "Linux namespaces and overlayfs are available")
+
+    @classmethod
+    def describe_host(cls) -> list[str]:
+        """Header lines: what this host lets a namespace guest have."""
+        mode = "as root (capabilities bounded)" if os.geteuid() == 0 else "in a user namespace (unprivileged)"
+        return [f"limits: {cgroups.detect().summary}", f"guests run {mode}"]
+
+    @classmethod
+    def check_baseline(cls, baseline: Baseline) -> None:
+        if baseline.kind in ("registry", "smolmachine"):
+            what = ("no such file or directory, and a registry reference" if baseline.kind == "registry"
+                    else "a .smolmachine")
+            raise UsageError(f"--smol-baseline={baseline.reference}: {what} needs the smol backend; the "
+                             "namespace backend takes a rootfs dir, a rootfs tarball (.tar, .tar.gz, "
+                             ".tar.zst) or a docker-save/OCI archive")
 
     def prepare(self, baseline: Baseline) -> None:
         self.rootfs(baseline)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.leaks import assert_host_clean
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One baseline cache for the whole test session: the bundled rootfs is unpacked once."""
+    return tmp_path_factory.mktemp("smolvm-cache")
+
+
+@pytest.fixture(scope="session")
+def smol_engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One short XDG home for the smol engine, whatever HOME pytester gives a run.
+
+    The engine keeps sockets under its cache dir (a 107-byte path limit) and unpacks its guest
+    rootfs once per cache dir: a fresh HOME per run would pay that every time.
+    """
+    return Path(tempfile.mkdtemp(prefix="smolx-"))
+
+
+@pytest.fixture
+def smol_state(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory,
+               shared_cache: Path, smol_engine_home: Path) -> Iterator[Path]:
+    """A private registry/scratch dir for the runs this test starts; checked for leaks after."""
+    state = tmp_path_factory.mktemp("smolvm-state")
+    monkeypatch.setenv("PYTEST_SMOLVM_STATE_DIR", str(state))
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(shared_cache))
+    monkeypatch.delenv("SMOL_CLOUD_TOKEN", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(smol_engine_home / "c"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(smol_engine_home / "d"))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    yield state
+    assert_host_clean(state)
+
+
+@pytest.fixture
+def cli(smol_state: Path) -> object:
+    """Run the ``pytest-smolvm`` command as users do."""
+    def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", *args], capture_output=True,
+                              text=True, timeout=timeout, env=os.environ.copy())
+    return run

@@ -1,0 +1,69 @@
+"""What "the host is as we found it" means, checked after every scenario."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def guest_processes(state_dir: Path) -> list[str]:
+    """Helpers and guest inits started for ``state_dir`` (it is in their argv)."""
+    marker = str(state_dir).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"_nsguest.py" in cmdline and marker in cmdline.split(b"\0"):
+            shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry}: {shown}")
+    return found
+
+
+def guest_cgroups() -> list[str]:
+    if not CGROUP_ROOT.is_dir():
+        return []
+    found = []
+    for controller in CGROUP_ROOT.iterdir():
+        if not controller.is_dir():
+            continue
+        try:
+            found += [str(p) for p in controller.rglob("smolvm-smol-*") if p.is_dir()]
+        except OSError:
+            continue
+    return found
+
+
+def overlay_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line for line in f if "smolvm" in line]
+
+
+def leftovers(state_dir: Path) -> dict[str, list[str]]:
+    registry = state_dir / "registry"
+    scratch = state_dir / "scratch"
+    found = {
+        "registry records": sorted(p.name for p in registry.glob("*")) if registry.is_dir() else [],
+        "scratch dirs": sorted(p.name for p in scratch.iterdir()) if scratch.is_dir() else [],
+        "processes": guest_processes(state_dir),
+        "cgroups": guest_cgroups(),
+        "mounts": overlay_mounts(),
+    }
+    return {k: v for k, v in found.items() if v}
+
+
+def assert_host_clean(state_dir: Path, timeout: float = 3.0) -> None:
+    """Processes of an exited pytest may take a moment to go; nothing else may linger."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = leftovers(state_dir)
+        if not found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not found, f"left behind on the host: {found}"

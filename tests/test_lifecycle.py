@@ -1,0 +1,383 @@
+"""Every terminal path destroys the guest; failures to destroy are reported, never hidden.
+
+Each test runs a real pytest in a subprocess; ``smol_state`` then checks that no registry
+record, scratch dir, guest process, cgroup or mount is left on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def test_each_test_gets_a_fresh_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("episode", range(5))
+        def test_episode(smol_vm, episode):
+            assert smol_vm.exec("ls /workspace/leftover").exit_code != 0, "state leaked in"
+            assert "sleep" not in smol_vm.exec("ps -o comm").stdout, "a process leaked in"
+            smol_vm.write_file("/workspace/leftover", str(episode))
+            smol_vm.exec("sleep 300 >/dev/null 2>&1 &", check=True)
+    """)
+    pytester.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=5)
+
+
+def test_files_and_processes_persist_within_a_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        def test_persist(smol_vm):
+            smol_vm.exec("echo 1 > /tmp/state; sleep 300 >/dev/null 2>&1 & echo $! > /tmp/pid", check=True)
+            assert smol_vm.exec("cat /tmp/state").stdout == "1\\n"
+            pid = smol_vm.exec("cat /tmp/pid").stdout.strip()
+            assert smol_vm.exec(["kill", "-0", pid]).exit_code == 0
+            assert smol_vm.exec("hostname").stdout.strip() == smol_vm.name
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_every_outcome_destroys(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.fixture
+        def broken(smol_vm):
+            raise RuntimeError("fixture setup failed after the guest was made")
+
+        def test_pass(smol_vm):
+            smol_vm.exec("true", check=True)
+
+        def test_fail(smol_vm):
+            smol_vm.exec("echo about to fail")
+            assert False
+
+        def test_setup_error(broken):
+            pass
+
+        def test_skip_inside(smol_vm):
+            pytest.skip("decided inside the test")
+
+        @pytest.mark.xfail(strict=True)
+        def test_xfail(smol_vm):
+            raise ValueError
+
+        def test_factory_many(smol_vm_factory):
+            vms = [smol_vm_factory() for _ in range(3)]
+            vms[0].write_file("/workspace/only-here", "x")
+            assert [v.exec("test -e /workspace/only-here").exit_code for v in vms] == [0, 1, 1]
+            assert len({v.name for v in vms}) == 3
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=2, failed=1, errors=1, skipped=1, xfailed=1)
+
+
+def test_provisioning_failure_is_a_setup_error_with_the_backends_message(
+        pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(allow_hosts=["example.com"])
+        def test_needs_allowlist(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([
+        "*could not provision a guest (infrastructure, not the test): allow_hosts needs the smol backend*"])
+
+
+def test_failed_test_reports_the_guest_transcript(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        def test_fail(smol_vm):
+            smol_vm.exec("echo building; echo oops >&2; exit 3")
+            smol_vm.exec(["printf", "\\\\377\\\\376 not utf-8"])
+            assert False, "reward was 0"
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*- smolvm guest smol-*-main-1 -*",
+        "$ echo building; echo oops >&2; exit 3    [[]exit 3, *s[]]",
+        "  --- stdout (tail)",
+        "  building",
+        "  --- stderr (tail)",
+        "  oops",
+        "$ printf \\377\\376 not utf-8    [[]exit 0, *s[]]",
+    ])
+
+
+def test_destroy_failure_warns_and_keeps_the_record(pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+    # A real destroy failure: something the host put into the guest's scratch mount point.
+    pytester.makepyfile(f"""
+        import os
+
+        def test_passes_anyway(smol_vm):
+            with open(os.path.join({str(smol_state)!r}, "scratch", smol_vm.name, "pinned"), "w"):
+                pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*SmolVMWarning: guest smol-* could not be destroyed*pytest-smolvm reap*"])
+    [record] = (smol_state / "registry").glob("*.json")
+    name = json.loads(record.read_text())["name"]
+    assert cli("ls").stdout.count(name) == 1
+    (smol_state / "scratch" / name / "pinned").unlink()
+    reaped = cli("reap")
+    assert f"removed {name}" in reaped.stdout, reaped
+
+
+def test_registry_records_every_live_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(f"""
+        import json, os
+        from pathlib import Path
+
+        def test_recorded(smol_vm, smol_vm_factory):
+            other = smol_vm_factory()
+            records = {{p.stem: json.loads(p.read_text())
+                       for p in Path({str(smol_state)!r}, "registry").glob("*.json")}}
+            assert set(records) == {{smol_vm.name, other.name}}
+            record = records[smol_vm.name]
+            assert record["owner_pid"] == os.getpid()
+            assert record["worker"] == "main"
+            assert record["backend"] == "namespace"
+            assert record["test_id"].endswith("::test_recorded")
+            assert record["run_id"] and record["data"]["scratch"].endswith(smol_vm.name)
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_keyboard_interrupt_destroys(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        def test_interrupted(smol_vm, smol_vm_factory):
+            smol_vm_factory().exec("sleep 300 >/dev/null 2>&1 &")
+            raise KeyboardInterrupt
+    """)
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_mid_test_destroys(pytester: pytest.Pytester, smol_state: Path, sig: signal.Signals) -> None:
+    started = pytester.path / "started"
+    pytester.makepyfile(f"""
+        import time
+        from pathlib import Path
+
+        def test_long(smol_vm):
+            smol_vm.exec("sleep 300 >/dev/null 2>&1 &", check=True)
+            Path({str(started)!r}).write_text(smol_vm.name)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider"], cwd=pytester.path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the test never started"
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "Traceback" not in out.split("KeyboardInterrupt")[0]
+
+
+def test_killed_pytest_leaves_nothing_running_and_reap_clears_the_rest(
+        pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+    pytester.makepyfile("""
+        import os, signal
+
+        def test_crash(smol_vm):
+            smol_vm.exec("sleep 300 >/dev/null 2>&1 &", check=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = pytester.runpytest_subprocess()
+    assert result.ret == -signal.SIGKILL
+    listing = cli("ls")
+    assert "orphan" in listing.stdout, listing.stdout
+    from tests.leaks import guest_processes
+
+    deadline = time.monotonic() + 5
+    while guest_processes(smol_state) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not guest_processes(smol_state), "guest processes outlived the crashed pytest"
+    reaped = cli("reap")
+    assert reaped.returncode == 0 and "removed smol-" in reaped.stdout, reaped
+    assert cli("ls").stdout.strip() == "no guests recorded"
+
+
+def test_next_session_reaps_what_a_dead_run_left(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(test_crash="""
+        import os, signal
+
+        def test_crash(smol_vm):
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    pytester.runpytest_subprocess("test_crash.py")
+    assert list((smol_state / "registry").glob("*.json"))
+    pytester.makepyfile(test_next="def test_ok(smol_vm):\n    pass\n")
+    pytester.runpytest_subprocess("test_next.py").assert_outcomes(passed=1)
+
+
+def test_reap_leaves_guests_of_live_owners_alone(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import subprocess, sys
+
+        def test_reap_during_run(smol_vm):
+            out = subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", "reap"],
+                                 capture_output=True, text=True).stdout
+            assert "nothing to reap" in out
+            assert smol_vm.exec("true").exit_code == 0
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_keep_failed_keeps_only_failed_guests(pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+    pytester.makepyfile("""
+        def test_pass(smol_vm):
+            pass
+
+        def test_fail(smol_vm):
+            smol_vm.write_file("/workspace/evidence", "look here")
+            assert False
+    """)
+    result = pytester.runpytest_subprocess("--smol-keep=failed")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*1 guest(s) kept alive for debugging:*",
+                                 "*smol-*test_fail*enter: pytest-smolvm shell smol-*",
+                                 "*pytest-smolvm reap --kept*"])
+    [record] = [json.loads(p.read_text()) for p in (smol_state / "registry").glob("*.json")]
+    assert record["kept"] and record["test_id"].endswith("test_fail")
+    shell = cli("shell", record["name"], "cat", "/workspace/evidence")
+    assert shell.stdout == "look here", shell
+    assert "nothing to reap" in cli("reap").stdout  # kept guests survive a plain reap
+    assert f"removed {record['name']}" in cli("reap", "--kept").stdout
+
+
+def test_two_workers_never_see_each_other(pytester: pytest.Pytester, smol_state: Path) -> None:
+    barrier = pytester.mkdir("barrier")
+    pytester.makepyfile(f"""
+        import pytest, time
+        from pathlib import Path
+
+        BARRIER = Path({str(barrier)!r})
+
+        @pytest.mark.parametrize("me", ["a", "b"])
+        def test_side(smol_vm, me, worker_id):
+            other = "b" if me == "a" else "a"
+            smol_vm.write_file(f"/workspace/{{me}}", me)
+            smol_vm.exec(f"sleep 300 >/dev/null 2>&1 & echo $! > /tmp/{{me}}.pid", check=True)
+            (BARRIER / me).write_text(worker_id)
+            deadline = time.monotonic() + 30
+            while not (BARRIER / other).exists():
+                assert time.monotonic() < deadline, "the other test never ran alongside"
+                time.sleep(0.02)
+            assert (BARRIER / other).read_text() != worker_id, "both ran on one worker"
+            assert smol_vm.exec(f"test -e /workspace/{{other}}").exit_code == 1
+            assert smol_vm.exec(f"test -e /tmp/{{other}}.pid").exit_code == 1
+            assert smol_vm.exec("ps -o comm | grep -c sleep").stdout.strip() == "1"
+            (BARRIER / f"{{me}}.done").write_text("")
+            while not (BARRIER / f"{{other}}.done").exists():
+                time.sleep(0.02)
+    """)
+    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=2)
+
+
+def test_fifty_tests_at_n2_leave_the_host_as_found(pytester: pytest.Pytester, smol_state: Path,
+                                                   shared_cache: Path) -> None:
+    before = sorted(p.name for p in (shared_cache / "baselines").iterdir()) if (
+        shared_cache / "baselines").is_dir() else None
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(50))
+        def test_many(smol_vm, i):
+            smol_vm.write_file("/workspace/i", str(i))
+            assert smol_vm.exec("cat /workspace/i").stdout == str(i)
+    """)
+    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=50)
+    if before is not None:
+        assert sorted(p.name for p in (shared_cache / "baselines").iterdir()) == before
+
+
+def test_guest_environment_is_built_from_scratch(pytester: pytest.Pytester, smol_state: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOST_SECRET_TOKEN", "hunter2")
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(env={"FROM_MARKER": "yes"})
+        def test_env(smol_vm):
+            env = smol_vm.exec("env").stdout
+            assert "hunter2" not in env and "HOST_SECRET_TOKEN" not in env
+            assert "PYTEST" not in env and "SMOLVM" not in env
+            assert "FROM_MARKER=yes" in env
+            assert smol_vm.exec("echo $PER_CALL", env={"PER_CALL": "1"}).stdout == "1\\n"
+            assert smol_vm.exec("echo $PER_CALL").stdout == "\\n"
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_guest_sees_no_host_files(pytester: pytest.Pytester, smol_state: Path) -> None:
+    secret = pytester.path / "host-secret.txt"
+    secret.write_text("only on the host")
+    pytester.makepyfile(f"""
+        import os
+
+        def test_files(smol_vm):
+            for path in [{str(secret)!r}, {str(Path.cwd())!r}, {str(Path(sys.executable).parent)!r}, "/work"]:
+                assert smol_vm.exec(["test", "-e", path]).exit_code == 1, path
+            # Every directory of the guest's root but /proc and /dev (where pipes and /dev/zero never end).
+            dirs = "$(ls -d /* | grep -v -e '^/proc$' -e '^/dev$')"
+            found = smol_vm.exec(f"grep -rl 'only on the host' {{dirs}} 2>/dev/null", timeout=60)
+            assert not found.timed_out and found.stdout == ""
+            assert smol_vm.exec("cat /etc/hostname").stdout != open("/etc/hostname").read()
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_guest_cannot_write_outside_its_scratch(pytester: pytest.Pytester, smol_state: Path,
+                                                 shared_cache: Path) -> None:
+    pytester.makepyfile("""
+        def test_write_everywhere(smol_vm):
+            r = smol_vm.exec("echo x > /bin/planted && echo x > /etc/planted && mkdir -p /usr/planted")
+            assert r.exit_code == 0, r.stderr  # the guest may write its own root...
+            for probe in ["mknod /tmp/disk b 8 0", "mount -t tmpfs none /mnt",
+                          "echo 1 > /proc/sys/kernel/panic_on_oops", "hostname evil && false"]:
+                assert smol_vm.exec(probe).exit_code != 0, probe
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    # ...but only its own copy: the shared baseline is untouched.
+    assert not list(shared_cache.glob("baselines/*/rootfs/bin/planted"))
+    assert not list(shared_cache.glob("baselines/*/rootfs/etc/planted"))
+
+
+def test_guest_cannot_reach_the_hosts_loopback(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import socket, threading
+        import pytest
+
+        @pytest.fixture
+        def host_server():
+            server = socket.socket()
+            server.bind(("127.0.0.1", 0))
+            server.listen(8)
+            threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(8)],
+                             daemon=True).start()
+            yield server.getsockname()[1]
+            server.close()
+
+        def test_isolated(smol_vm, host_server):
+            r = smol_vm.exec(f"nc -z -w 2 127.0.0.1 {host_server}")
+            assert r.exit_code != 0, "the guest reached the host's loopback"
+            assert smol_vm.exec("ip -o link | grep -v ' lo:' | wc -l").stdout.strip() == "0"
+
+        @pytest.mark.smol(network=True)
+        def test_network_true_shares_the_hosts(smol_vm, host_server):
+            assert smol_vm.exec(f"nc -z -w 2 127.0.0.1 {host_server}").exit_code == 0
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)

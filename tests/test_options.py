@@ -1,0 +1,161 @@
+"""Options, ini twins and the smol marker: precedence and one-line usage errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+PASSING = "def test_ok(smol_vm):\n    assert smol_vm.exec('true').exit_code == 0\n"
+
+
+def one_line_usage_error(result: pytest.RunResult, *needles: str) -> None:
+    err = result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, err
+    assert "Traceback" not in err + result.stdout.str()
+    error_lines = [line for line in err.splitlines() if line.startswith("ERROR:")]
+    assert len(error_lines) == 1, err
+    for needle in needles:
+        assert needle in error_lines[0], error_lines[0]
+
+
+def assert_one_line_setup_error(result: pytest.RunResult, *needles: str) -> None:
+    """The ERROR block's body is exactly one line, and it says what is wrong."""
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if "ERROR at setup of" in line)
+    body = []
+    for line in lines[start + 1:]:
+        if line.startswith("=") or line.startswith("_") or line.startswith("-"):
+            break
+        body.append(line)
+    assert len(body) == 1, "\n".join(lines)
+    for needle in needles:
+        assert needle in body[0], body[0]
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--smol-backend=bogus"], ["--smol-backend=bogus", "unknown backend"]),
+    (["--smol-keep=sometimes"], ["--smol-keep=sometimes", "never, failed, always"]),
+    (["--smol-target=mars"], ["--smol-target=mars", "local, cloud"]),
+    (["--smol-max-vms=0"], ["--smol-max-vms=0", "positive integer"]),
+    (["--smol-max-vms=lots"], ["--smol-max-vms=lots", "positive integer"]),
+    (["--smol-baseline=./no/such/rootfs.tar"], ["--smol-baseline=./no/such/rootfs.tar", "no such file"]),
+    (["--smol-baseline=/definitely/missing"], ["--smol-baseline=/definitely/missing", "no such file"]),
+])
+def test_bad_option_is_one_line_usage_error(pytester: pytest.Pytester, smol_state: Path,
+                                            args: list[str], needles: list[str]) -> None:
+    pytester.makepyfile(PASSING)
+    one_line_usage_error(pytester.runpytest_subprocess(*args), *needles)
+
+
+def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeini("[pytest]\nsmol_keep = sometimes\n")
+    pytester.makepyfile(PASSING)
+    one_line_usage_error(pytester.runpytest_subprocess(), "smol_keep=sometimes")
+
+
+def test_cli_overrides_ini(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeini("[pytest]\nsmol_backend = bogus\n")
+    pytester.makepyfile(PASSING)
+    pytester.runpytest_subprocess("--smol-backend=namespace").assert_outcomes(passed=1)
+
+
+def test_ini_baseline_is_relative_to_the_ini_file(pytester: pytest.Pytester, smol_state: Path,
+                                                  shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    unpacked = next(shared_cache.glob("baselines/*/rootfs"), None)
+    if unpacked is None:  # first test of the session: let a run unpack the bundled rootfs
+        pytester.makepyfile(PASSING)
+        pytester.runpytest_subprocess().assert_outcomes(passed=1)
+        unpacked = next(shared_cache.glob("baselines/*/rootfs"))
+    shutil.copytree(unpacked, pytester.path / "rootfs-dir", symlinks=True)
+    pytester.makeini("[pytest]\nsmol_baseline = rootfs-dir\n")
+    sub = pytester.mkdir("sub")
+    (sub / "test_sub.py").write_text(PASSING)
+    monkeypatch.chdir(sub)
+    result = pytester.runpytest_subprocess("test_sub.py")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["smolvm: baseline rootfs-dir (rootfs-dir, sha256:*)"])
+
+    pytester.makeini("[pytest]\nsmol_baseline = missing-rootfs\n")
+    one_line_usage_error(pytester.runpytest_subprocess("test_sub.py"), "smol_baseline=missing-rootfs",
+                         "no such file")
+
+
+def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(env={"A": "1"})
+        def test_marked(smol_vm):
+            assert smol_vm.exec("echo $A").stdout == "1\\n"
+    """)
+    result = pytester.runpytest_subprocess("--strict-markers", "-W", "error::pytest.PytestUnknownMarkWarning")
+    result.assert_outcomes(passed=1)
+    assert "smol(image=None" in pytester.runpytest_subprocess("--markers").stdout.str()
+
+
+@pytest.mark.parametrize(("marker", "needle"), [
+    ("cpu=2", "unknown keyword 'cpu'"),
+    ("timeout=-1", "timeout"),
+    ("timeout=0", "timeout"),
+    ("memory_mb=1.5", "memory_mb"),
+    ("network='yes'", "network"),
+    ("env={'A': 1}", "env"),
+    ("allow_hosts='example.com'", "allow_hosts"),
+    ("image='./no-such-rootfs'", "no such file"),
+])
+def test_bad_marker_is_a_one_line_setup_error(pytester: pytest.Pytester, smol_state: Path,
+                                              marker: str, needle: str) -> None:
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.smol({marker})
+        def test_marked(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    assert_one_line_setup_error(result, needle)
+
+
+def test_marker_precedence_closest_wins_per_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        pytestmark = pytest.mark.smol(env={"LEVEL": "module", "M": "m"}, timeout=30)
+
+        @pytest.mark.smol(env={"LEVEL": "class", "C": "c"})
+        class TestLevels:
+            @pytest.mark.smol(env={"LEVEL": "function"})
+            def test_env(self, smol_vm):
+                out = smol_vm.exec("echo $LEVEL $M $C").stdout
+                assert out == "function m c\\n"
+                assert smol_vm.default_timeout == 30
+
+        def test_factory_keywords_win(smol_vm_factory):
+            vm = smol_vm_factory(env={"LEVEL": "factory"})
+            assert vm.exec("echo $LEVEL $M").stdout == "factory m\\n"
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+
+
+def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        def test_factory(smol_vm_factory):
+            smol_vm_factory(ram=4)
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*smol_vm_factory: unknown keyword 'ram'*"])
+
+
+def test_report_header(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(PASSING)
+    result = pytester.runpytest_subprocess("--smol-backend=auto")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "smolvm: backend namespace (isolation: namespace; no microVM boots on this host*",
+        "smolvm: baseline bundled alpine (bundled, sha256:*)",
+        "smolvm: limits: *",
+    ])
