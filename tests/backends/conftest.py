@@ -1,0 +1,105 @@
+"""One fixture, ``vm_factory``, parametrized over every built-in backend.
+
+Each backend instance lives for the session (a smol source boots once), with the baseline
+cache shared by the whole session and each test's state dir private to that test. A backend
+that cannot run here is skipped with the probe's exact reason (see it with ``-rs``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
+from pytest_smolvm.baseline import Baseline, resolve
+from pytest_smolvm.vm import VM
+
+BACKENDS = ("namespace", "smol")
+RUN_ID = uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="session")
+def backends_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("backends-cache")
+
+
+@pytest.fixture(scope="session")
+def session_env(backends_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTEST_SMOLVM_CACHE_DIR", str(backends_cache))
+        mp.setenv("PYTEST_SMOLVM_STATE_DIR", str(tmp_path_factory.mktemp("backends-state")))
+        # A token in the environment must never send these tests to the (billed) cloud.
+        mp.delenv("SMOL_CLOUD_TOKEN", raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def baseline(session_env: None) -> Baseline:
+    return resolve(None, Path.cwd())
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baseline) -> Iterator[Backend]:
+    cls = backend_class(request.param)
+    verdict = cls.probe()
+    if not verdict.available:
+        pytest.skip(f"{request.param} backend unavailable: {verdict.reason}")
+    instance: Backend
+    if request.param == "smol":
+        from pytest_smolvm.backends.smol import SmolBackend
+
+        instance = SmolBackend(BackendOptions(target="local", labels={"run": RUN_ID, "worker": "conformance"}))
+    else:
+        instance = cls()
+    instance.prepare(baseline)
+    yield instance
+    instance.close()
+    if request.param == "smol":
+        from pytest_smolvm.backends.smol import list_owned
+
+        left = [m.name for m in list_owned({"pytest-smolvm": "1", "run": RUN_ID})]
+        assert left == [], f"smol machines outlived the backend's close(): {left}"
+
+
+@pytest.fixture
+def guest_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, session_env: None) -> Path:
+    """A private state dir for this test's guests (scratch dirs and the like)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("PYTEST_SMOLVM_STATE_DIR", str(state))
+    return state
+
+
+MakeGuest = Callable[..., tuple[VM, Guest]]
+
+
+@pytest.fixture
+def make_guest(backend: Backend, baseline: Baseline, guest_state: Path) -> Iterator[MakeGuest]:
+    """``make_guest(**spec) -> (VM, Guest)``; every guest made is destroyed at teardown."""
+    made: list[Guest] = []
+
+    def make(**overrides: object) -> tuple[VM, Guest]:
+        name = f"pytest-smolvm-conf-{uuid.uuid4().hex[:12]}"
+        labels = {"pytest-smolvm": "1", "run": RUN_ID, "worker": "conformance", "owner_pid": str(os.getpid())}
+        spec = VMSpec(name=name, baseline=baseline, labels=labels, **overrides)  # type: ignore[arg-type]
+        guest = backend.create(spec)
+        made.append(guest)
+        return VM(guest, backend=backend.name, isolation=backend.isolation), guest
+
+    yield make
+    errors = []
+    for guest in made:
+        try:
+            guest.destroy()
+        except Exception as exc:  # report every leak, not just the first
+            errors.append(f"{guest.name}: {exc}")
+    assert not errors, f"destroy failed: {errors}"
+
+
+@pytest.fixture
+def vm(make_guest: MakeGuest) -> VM:
+    return make_guest()[0]

@@ -1,0 +1,130 @@
+"""``pytest-smolvm doctor`` and the boot probe behind it, run for real on this host.
+
+Whether a microVM boots here is decided independently (a probe boot), and the doctor must
+agree: exit 0 and say so where one boots, otherwise exit non-zero and explain why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm import probe
+from pytest_smolvm.doctor import pvm_evidence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_doctor(env_overrides: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(env_overrides)
+    env["PYTEST_SMOLVM_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "pytest_smolvm.doctor"], capture_output=True, text=True,
+                          env=env, timeout=probe.probe_timeout() + probe.DELETE_TIMEOUT + 60)
+
+
+@pytest.fixture
+def isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) -> None:
+    verdict = probe.boot()
+    canary = "sk-doctor-canary-do-not-print"
+    done = _run_doctor({"SMOL_CLOUD_TOKEN": canary}, tmp_path)
+    output = done.stdout + done.stderr
+    assert canary not in output, "the doctor printed the cloud token"
+    assert "SMOL_CLOUD_TOKEN" in output  # where the key comes from, never the key
+    assert "--smol-backend=auto" in output
+    if verdict.available:
+        assert done.returncode == 0, output
+        assert "microVMs boot on this host" in output
+    else:
+        assert done.returncode != 0, output
+        assert "no microVM boots on this host" in output
+        assert "what to do" in output or "reason:" in output
+        # The exact engine reason reaches the user (its code, or its first words for a timeout).
+        key = verdict.reason.split("]", 1)[0] + "]" if verdict.reason.startswith("[") else verdict.reason[:30]
+        assert key in " ".join(output.split()), f"{key!r} not in the doctor's output:\n{output}"
+        assert "would use namespace" in output
+
+
+def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:
+    evidence = pvm_evidence()
+    if evidence is None:
+        pytest.skip("not a PVM host")
+    done = _run_doctor({}, tmp_path)
+    assert done.returncode != 0, done.stdout
+    assert "PVM host" in done.stdout and "built for PVM" in done.stdout
+    assert "real KVM" in done.stdout
+
+
+def test_probe_is_cached_per_boot(isolated_cache: Path) -> None:
+    first = probe.probe()
+    assert (isolated_cache / probe.CACHE_FILE).is_file()
+    started = time.monotonic()
+    again = probe.probe()
+    assert again == first
+    assert time.monotonic() - started < 1.0, "a cached probe booted again"
+
+
+def test_probe_boot_never_outlives_its_timeout(isolated_cache: Path) -> None:
+    limit = 4.0
+    started = time.monotonic()
+    report = probe.boot(limit)
+    elapsed = time.monotonic() - started
+    # Killing the child is immediate; deleting a half-made machine may take its own bounded time.
+    assert elapsed < limit + probe.DELETE_TIMEOUT + 5, f"{elapsed:.1f}s for a {limit}s probe"
+    assert report.reason
+
+
+def test_a_stalled_boot_is_killed_and_cleaned_up(monkeypatch: pytest.MonkeyPatch,
+                                                 isolated_cache: Path) -> None:
+    """On a PVM host a guest with the uid drop off hangs at boot: the stall the timeout exists for."""
+    if pvm_evidence() is None or probe.precheck() is not None:
+        pytest.skip("only a PVM host with KVM reliably stalls a boot")
+    from pytest_smolvm.backends.smol import list_owned
+
+    vms_dir = probe.vm_data_dir("x").parent
+    before = set(os.listdir(vms_dir)) if vms_dir.is_dir() else set()
+    vmms_before = _vmm_pids()
+    monkeypatch.setenv("SMOLVM_VM_UID_DROP", "off")
+    limit = 5.0
+    started = time.monotonic()
+    report = probe.boot(limit)
+    elapsed = time.monotonic() - started
+    assert not report.available
+    if not report.timed_out:
+        pytest.skip(f"the boot did not stall here: {report.reason}")
+    assert report.reason.startswith(f"boot did not finish within {limit:g}s")
+    assert elapsed < limit + probe.DELETE_TIMEOUT + 5
+    assert [m.name for m in list_owned({"pytest-smolvm": "1", "role": "probe"})] == []
+    after = set(os.listdir(vms_dir)) if vms_dir.is_dir() else set()
+    assert after <= before, f"the probe left {sorted(after - before)} in {vms_dir}"
+    deadline = time.monotonic() + 10
+    while _vmm_pids() - vmms_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _vmm_pids() - vmms_before, "a VMM process outlived the probe"
+
+
+def _vmm_pids() -> set[int]:
+    """Live (not zombie) smolmachines VMM processes on this host."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"smol-vmm" in cmdline and state != b"Z":
+            found.add(int(entry))
+    return found
