@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from pytest_smolvm import registry
-from pytest_smolvm.lifecycle import destroy_record, reap_orphans
+from pytest_smolvm.lifecycle import reap_orphans
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -71,7 +71,7 @@ def _shell(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from pytest_smolvm.doctor import run_doctor  # noqa: PLC0415 - it probes; keep other commands light
+    from pytest_smolvm.doctor import run_doctor
 
     return run_doctor(sys.stdout)
 

@@ -14,6 +14,10 @@ class UsageError(SmolVMError):
 class ProvisionError(SmolVMError):
     """The backend could not make a guest: infrastructure, not the test's fault."""
 
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable  # worth another try: the engine said so, or a helper died
+
 
 class GuestError(SmolVMError):
     """A guest operation (file transfer, exec plumbing) failed."""

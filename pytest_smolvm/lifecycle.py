@@ -7,18 +7,20 @@ with a registry record that a reaper can act on.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import signal
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_smolvm import baseline as baselines
-from pytest_smolvm import registry
+from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import (
     Backend,
     BackendOptions,
@@ -33,6 +35,26 @@ from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
 
 DESTROY_ATTEMPTS = 2
+PROVISION_ATTEMPTS = 3
+PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
+DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Let a destroy finish before a Ctrl-C (or SIGTERM/SIGHUP) lands; it is delivered right after.
+
+    A second Ctrl-C during teardown must not cut a destroy in half. Destroys take milliseconds,
+    so the interrupt is late by that much only.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class SmolVMWarning(UserWarning):
@@ -47,6 +69,8 @@ class LiveGuest:
     provision_seconds: float
     kept: bool = False
     destroy_seconds: float = 0.0
+    slot: capacity.Slot | None = None
+    attempts: int = 1
 
 
 @dataclass
@@ -96,12 +120,37 @@ class SmolSession:
         return f"smol-{self.run_id[:8]}-{self.worker}-{next(self._counter)}"
 
     def create(self, test_id: str, spec: MarkerSpec) -> LiveGuest:
-        """Record, then create. Raises ProvisionError (infrastructure) or UsageError (bad spec)."""
+        """Record, then create; retry what the backend calls retryable, with backoff.
+
+        Raises ProvisionError (infrastructure) or UsageError (bad spec). Only provisioning is
+        retried: the test body has not started yet.
+        """
         base = self.baseline_for(spec.image)
+        started = time.monotonic()
+        slot = capacity.acquire(self.settings.max_vms) if self.settings.max_vms else None
+        try:
+            for attempt in range(1, PROVISION_ATTEMPTS + 1):
+                try:
+                    live = self._create_once(test_id, spec, base)
+                except ProvisionError as exc:
+                    if not exc.retryable or attempt == PROVISION_ATTEMPTS:
+                        raise ProvisionError(f"{exc} (attempt {attempt} of {PROVISION_ATTEMPTS})"
+                                             if attempt > 1 else str(exc)) from exc
+                    time.sleep(PROVISION_BACKOFF * 2 ** (attempt - 1))
+                    continue
+                live.provision_seconds = time.monotonic() - started
+                live.slot, live.attempts = slot, attempt
+                return live
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _create_once(self, test_id: str, spec: MarkerSpec, base: Baseline) -> LiveGuest:
         name = self.new_name()
         record = registry.Record.for_this_process(name, self.selection.name, self.run_id, self.worker, test_id)
         record.save()
-        started = time.monotonic()
         try:
             backend = self.backend
             guest = backend.create(VMSpec(
@@ -121,11 +170,13 @@ class SmolSession:
         record.save()
         vm = VM(guest, default_timeout=spec.timeout, backend=self.selection.name,
                 isolation=backend.isolation, baseline=base.reference, digest=base.digest)
-        live = LiveGuest(vm, record, guest, time.monotonic() - started)
+        live = LiveGuest(vm, record, guest, 0.0)
         self.live[name] = live
         return live
 
     def keep(self, live: LiveGuest) -> None:
+        if live.slot is not None:
+            live.slot.release()  # a kept guest no longer counts against this run's cap
         live.guest.keep()
         live.kept = True
         live.record.kept = True
@@ -138,13 +189,16 @@ class SmolSession:
         self.live.pop(live.vm.name, None)
         started = time.monotonic()
         error: BaseException | None = None
-        for _attempt in range(DESTROY_ATTEMPTS):
-            try:
-                live.guest.destroy()
-                error = None
-                break
-            except Exception as exc:  # a failed destroy must never replace the test's outcome
-                error = exc
+        with signals_deferred():
+            for _attempt in range(DESTROY_ATTEMPTS):
+                try:
+                    live.guest.destroy()
+                    error = None
+                    break
+                except Exception as exc:  # a failed destroy must never replace the test's outcome
+                    error = exc
+            if live.slot is not None:
+                live.slot.release()
         live.destroy_seconds = time.monotonic() - started
         if error is not None:
             warnings.warn(SmolVMWarning(
@@ -162,10 +216,23 @@ class SmolSession:
             self._backend.close()
             self._backend = None
 
-    # ------------------------------------------------------------------ reaping
+    # ------------------------------------------------------------------ xdist handoff and reaping
 
-    def reap_orphans(self, *, include_kept: bool = False) -> registry.ReapReport:
-        return reap_orphans(include_kept=include_kept)
+    def shared_state(self) -> dict[str, str]:
+        return self.backend.shared_state(self.default_baseline)
+
+    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
+        if state:
+            self.backend.adopt_shared_state(state)
+
+    def reap(self) -> registry.ReapReport:
+        """What dead owners left: registry records first, then the backend's own leftovers."""
+        report = reap_orphans()
+        try:
+            report.removed += self.backend_cls.reap_unrecorded()
+        except Exception as exc:  # the engine may be unusable here; the registry part still counts
+            report.failed.append((self.selection.name, f"{type(exc).__name__}: {exc}"))
+        return report
 
 
 def destroy_record(record: registry.Record) -> None:

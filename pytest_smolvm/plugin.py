@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -12,7 +13,7 @@ import pytest
 
 from pytest_smolvm import hookspecs, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.lifecycle import LiveGuest, SmolSession, reap_orphans
+from pytest_smolvm.lifecycle import LiveGuest, SmolSession
 from pytest_smolvm.registry import records
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 from pytest_smolvm.vm import VM
@@ -23,6 +24,7 @@ REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 RUN_ID_INPUT = "smolvm_run_id"
+SHARED_INPUT = "smolvm_shared_state"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,6 +48,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[SESSION_KEY] = session
+    if _is_worker(config):
+        session.adopt_shared_state(json.loads(config.workerinput.get(SHARED_INPUT, "{}")))  # type: ignore[attr-defined]
     config.stash[SIGNALS_KEY] = _signals_to_keyboard_interrupt()
     counter = GuestTestCounter()
     config.stash[COUNTER_KEY] = counter
@@ -95,15 +99,16 @@ class XdistController:
 
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput[RUN_ID_INPUT] = self.session.run_id
+        node.workerinput[SHARED_INPUT] = json.dumps(self.session.shared_state())
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
         if error:
-            reap_orphans()  # the dead worker's guests died with it; this clears what they left
+            self.session.reap()  # the dead worker's guests died with it; this clears what they left
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not _is_worker(session.config):
-        reap_orphans()  # what dead runs left behind
+        session.config.stash[SESSION_KEY].reap()  # what dead runs left behind
 
 
 @pytest.hookimpl(trylast=True)
@@ -112,7 +117,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if smol is not None:
         smol.close()
         if not _is_worker(session.config):
-            reap_orphans()
+            smol.reap()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

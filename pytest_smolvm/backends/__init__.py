@@ -116,6 +116,16 @@ class Backend(Protocol):
     def destroy_recorded(self, data: Mapping[str, Any]) -> None:
         """Destroy a guest known only by its registry record (reaper, ``pytest-smolvm reap``)."""
 
+    @classmethod
+    def reap_unrecorded(cls) -> list[str]:
+        """Remove what this backend made outside the registry (e.g. baseline machines) for dead owners."""
+
+    def shared_state(self, baseline: Baseline) -> dict[str, str]:
+        """In the process that outlives the others: what xdist workers must adopt (may prepare)."""
+
+    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
+        """In a worker: use what :meth:`shared_state` handed over instead of making its own."""
+
     def close(self) -> None: ...
 
 

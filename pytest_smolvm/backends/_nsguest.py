@@ -76,6 +76,7 @@ GUEST_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31)
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 MAX_MESSAGE = 1 << 20
 SIGNAL_EXIT_BASE = 128
+KILL_PASSES = 64
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -165,7 +166,7 @@ def _mount_root(req: dict[str, Any]) -> str:
     for sub in ("pts", "shm"):
         os.mkdir(os.path.join(dev, sub))
     _mount("smolvm-shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
-    for sub in ("proc", "tmp"):
+    for sub in ("proc", "tmp", "workspace"):  # /workspace: as on every smol machine
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     return root
 
@@ -286,10 +287,12 @@ class Init:
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         op = message.get("op")
         if op == "kill":
-            try:
-                os.killpg(message["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            # Repeat: a forking group (a fork bomb) can outrun a single pass of killpg.
+            for _ in range(KILL_PASSES):
+                try:
+                    os.killpg(message["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    break
             return
         if op == "keep":
             self.keep = bool(message.get("keep", True))

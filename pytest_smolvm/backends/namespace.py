@@ -66,14 +66,19 @@ class Zygote:
         self._sock = ours
         self._lock = threading.Lock()
         self._next_id = 0
+        self.dead = False
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
             self._next_id += 1
-            _send(self._sock, {**message, "id": self._next_id})
-            reply, fds = _recv(self._sock)
+            try:
+                _send(self._sock, {**message, "id": self._next_id})
+                reply, fds = _recv(self._sock)
+            except OSError:
+                reply, fds = None, []
         if reply is None:
-            raise ProvisionError(f"the namespace helper died (exit status {self._proc.poll()})")
+            self.dead = True
+            raise ProvisionError(f"the namespace helper died (exit status {self._proc.poll()})", retryable=True)
         return reply, fds
 
     def close(self) -> None:
@@ -419,6 +424,9 @@ class NamespaceBackend:
 
     def _helper(self) -> Zygote:
         with self._zygote_lock:
+            if self._zygote is not None and self._zygote.dead:
+                self._zygote.close()  # a retry gets a fresh helper; live guests do not need the old one
+                self._zygote = None
             if self._zygote is None:
                 self._zygote = Zygote()
             return self._zygote
@@ -449,6 +457,16 @@ class NamespaceBackend:
 
     def destroy_recorded(self, data: Mapping[str, Any]) -> None:
         destroy_recorded(data)
+
+    @classmethod
+    def reap_unrecorded(cls) -> list[str]:
+        return []  # every namespace guest is in the registry; baselines are a cache, not guests
+
+    def shared_state(self, baseline: Baseline) -> dict[str, str]:
+        return {}  # the unpacked baseline is found by digest in the host-wide cache
+
+    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
+        pass
 
     def close(self) -> None:
         if self._zygote is not None:

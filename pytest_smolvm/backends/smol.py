@@ -38,7 +38,7 @@ from pytest_smolvm.backends import BackendOptions, GuestExecResult, ProbeResult,
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.probe import remove_fork_lock, vm_data_dir
-from pytest_smolvm.procs import process_start_time
+from pytest_smolvm.procs import is_alive, process_start_time
 
 if TYPE_CHECKING:
     from smol import ConnectOptions, Machine, SmolError
@@ -589,6 +589,27 @@ class SmolBackend:
         source = self._source_for(spec)
         return SmolGuest(self._source_machine(source), name=source.name, target=self.target,
                          source=None, env=spec.env, owned=False)
+
+    @classmethod
+    def reap_unrecorded(cls) -> list[str]:
+        """Local machines labelled by us whose owner (pid, start time) is gone: children, then sources."""
+        removed = []
+        for machine in list_owned({LABEL: "1"}):
+            start = machine.labels.get("owner_start")
+            owner = int(machine.labels.get("owner_pid") or 0)
+            if owner and is_alive(owner, int(start) if start and start != "None" else None):
+                continue
+            destroy_recorded({"name": machine.name, "target": "local"})
+            removed.append(machine.name)
+        return removed
+
+    def shared_state(self, baseline: Baseline) -> dict[str, str]:
+        self.prepare(baseline)  # the controller owns the source, so it outlives every worker
+        return self.source_names()
+
+    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
+        for key, name in state.items():
+            self.adopt_source(key, name)
 
     def source_names(self) -> dict[str, str]:
         """key -> machine name (cloud: id) of every source this process owns, for xdist workers."""
