@@ -199,7 +199,37 @@ def unpack(baseline: Baseline) -> Rootfs:
             _force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
+        _log_preparation(store, baseline, elapsed)
         return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
+
+
+PREPARATIONS = "preparations.jsonl"
+
+
+def _log_preparation(store: Path, baseline: Baseline, seconds: float) -> None:
+    """One line per unpack ever done on this host: who did it and how long it took."""
+    line = json.dumps({"digest": baseline.digest, "reference": baseline.reference, "pid": os.getpid(),
+                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "seconds": round(seconds, 3),
+                       "at": time.time()}) + "\n"
+    with open(store / PREPARATIONS, "a") as f:
+        f.write(line)
+
+
+def preparations(digest: str) -> list[dict[str, Any]]:
+    """Every recorded preparation of ``digest`` on this host, oldest first."""
+    try:
+        lines = (cache_dir() / "baselines" / PREPARATIONS).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("digest") == digest:
+            found.append(entry)
+    return found
 
 
 def _load_rootfs(final: Path, prepared_by: str) -> Rootfs:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from pytest_smolvm.baseline import preparations
 
 if TYPE_CHECKING:
     from pytest_smolvm.lifecycle import LiveGuest, SmolSession
@@ -19,6 +22,16 @@ def header_lines(session: SmolSession) -> list[str]:
         f"(isolation: {session.backend_cls.isolation}; {session.selection.reason})",
         f"smolvm: baseline {base.reference} ({base.kind}, {base.digest})",
     ]
+    if base.kind in ("bundled", "rootfs-tar", "image-archive"):
+        done = preparations(base.digest)
+        if done:
+            last = done[-1]
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(last["at"]))
+            lines.append(f"smolvm: baseline unpacked once on this host by {last['worker']} (pid {last['pid']}) "
+                         f"in {last['seconds']:.2f}s at {when}; every guest reuses it")
+        else:
+            lines.append("smolvm: baseline not unpacked on this host yet: the first guest unpacks it, once, "
+                         "while other workers wait")
     describe = getattr(session.backend_cls, "describe_host", None)
     if callable(describe):
         lines.extend(f"smolvm: {line}" for line in describe())

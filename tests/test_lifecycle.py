@@ -381,3 +381,25 @@ def test_guest_cannot_reach_the_hosts_loopback(pytester: pytest.Pytester, smol_s
             assert smol_vm.exec(f"nc -z -w 2 127.0.0.1 {host_server}").exit_code == 0
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
+
+
+def test_baseline_is_unpacked_once_per_host_whatever_n_is(pytester: pytest.Pytester, smol_state: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = pytester.mkdir("fresh-cache")  # nothing unpacked yet: the first guests race for it
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(cache))
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(100))
+        def test_many(smol_vm, i):
+            assert smol_vm.exec("cat /etc/alpine-release").exit_code == 0
+    """)
+    first = pytester.runpytest_subprocess("-n", "2")
+    first.assert_outcomes(passed=100)
+    first.stdout.fnmatch_lines(["smolvm: baseline not unpacked on this host yet*"])
+    log = (cache / "baselines" / "preparations.jsonl").read_text().splitlines()
+    assert len(log) == 1, log
+    second = pytester.runpytest_subprocess("-n", "2")
+    second.assert_outcomes(passed=100)
+    second.stdout.fnmatch_lines(["smolvm: baseline unpacked once on this host by gw* (pid *) in *s at *"])
+    assert len((cache / "baselines" / "preparations.jsonl").read_text().splitlines()) == 1
