@@ -20,7 +20,7 @@ import shutil
 import stat
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -189,7 +189,7 @@ def unpack(baseline: Baseline) -> Rootfs:
                 config = _unpack_image_archive(baseline.path, staging / "rootfs")
             else:
                 with _open_maybe_compressed(baseline.path) as stream:
-                    _apply_layer(stream, staging / "rootfs", squash_owner=baseline.kind == "bundled")
+                    apply_layer(stream, staging / "rootfs", squash_owner=baseline.kind == "bundled")
                 config = {}
             (staging / "image.json").write_text(json.dumps({
                 "reference": baseline.reference, "digest": baseline.digest,
@@ -200,6 +200,37 @@ def unpack(baseline: Baseline) -> Rootfs:
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, baseline, elapsed)
+        return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
+
+
+def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None]) -> Rootfs:
+    """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
+
+    Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
+    line in the preparations log. It inherits the parent's environment and workdir.
+    """
+    store = cache_dir() / "baselines"
+    store.mkdir(parents=True, exist_ok=True)
+    final = store / f"warm-{key[:32]}"
+    with FileLock(str(store / f"warm-{key[:32]}.lock")):
+        if (final / "image.json").is_file():
+            return _load_rootfs(final, "already cached")
+        started = time.monotonic()
+        staging = store / f".warm-{key[:32]}-{os.getpid()}"
+        _force_rmtree(staging)
+        try:
+            (staging / "rootfs").mkdir(parents=True)
+            capture(staging / "rootfs")
+            (staging / "image.json").write_text(json.dumps({
+                "reference": f"{parent.reference} + setup", "digest": f"sha256:{key}", "parent": parent.digest,
+                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir}))
+            os.replace(staging, final)
+        except BaseException:
+            _force_rmtree(staging)
+            raise
+        elapsed = time.monotonic() - started
+        _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
+                         elapsed)
         return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
 
 
@@ -330,7 +361,7 @@ def _unpack_image_archive(path: Path, dest: Path) -> dict[str, Any]:
             blob = outer.extractfile(member) if member else None
             if blob is None:
                 raise UsageError(f"--smol-baseline={path}: layer {layer} is missing from the archive")
-            _apply_layer(_decompressed(blob), dest, squash_owner=False)
+            apply_layer(_decompressed(blob), dest, squash_owner=False)
     return dict(config)
 
 
@@ -343,7 +374,7 @@ WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 
 
-def _apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool) -> None:
+def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool) -> None:
     """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``."""
     root = os.path.realpath(dest)
     this_layer: set[str] = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
@@ -45,8 +46,6 @@ class BackendOptions:
 
     target: str = "local"
     labels: Mapping[str, str] = field(default_factory=dict)
-    # Runs in each freshly made baseline guest before anything forks from it.
-    prepare_source: Callable[[Guest], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,14 @@ class Backend(Protocol):
         """Make ``baseline`` ready to fork from, once per host (the caller holds no lock)."""
 
     def create(self, spec: VMSpec) -> Guest: ...
+
+    def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
+                        scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
+        """A warm baseline: ``baseline`` after ``populate`` ran in a guest, once per host per ``key``.
+
+        ``scratch_guest`` makes a recorded guest (destroyed on exit) for backends that capture
+        a guest's filesystem; backends whose baseline is a live machine run ``populate`` there.
+        """
 
     def destroy_recorded(self, data: Mapping[str, Any]) -> None:
         """Destroy a guest known only by its registry record (reaper, ``pytest-smolvm reap``)."""

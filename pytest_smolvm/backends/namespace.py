@@ -17,12 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
-from pytest_smolvm.backends import BackendOptions, GuestExecResult, ProbeResult, VMSpec
-from pytest_smolvm.baseline import Baseline, Rootfs, unpack
+from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
 from pytest_smolvm.procs import process_start_time, wait_gone
@@ -328,6 +329,33 @@ class NamespaceGuest:
         if errors:
             raise errors[0]
 
+    def export_root(self, consume: Callable[[IO[bytes]], None]) -> None:
+        """Stream the guest's root filesystem (mounts excluded) as a tar to ``consume``."""
+        read_fd, write_fd = os.pipe()
+        errors: list[BaseException] = []
+
+        def run_consumer() -> None:
+            try:
+                with os.fdopen(read_fd, "rb") as source:
+                    consume(source)
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+
+        consumer = threading.Thread(target=run_consumer, daemon=True)
+        consumer.start()
+        out = os.fdopen(write_fd, "wb")
+
+        def forward(data: bytes) -> None:
+            out.write(data)
+
+        try:
+            self._file_op({"op": "export_root", "path": "/"}, stdout_sink=forward)
+        finally:
+            out.close()
+            consumer.join()
+        if errors:
+            raise errors[0]
+
     def logs(self) -> str:
         return ""  # a namespace guest has no console; its history is the exec transcript
 
@@ -442,7 +470,7 @@ class NamespaceBackend:
         try:
             cgroup_dirs = cgroups.create(self.limits, spec.name, cpus=spec.cpus, memory_mb=spec.memory_mb)
             reply, fds = self._helper().request({
-                "op": "create", "hostname": spec.name[:64], "scratch": str(scratch),
+                "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
                 "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb, "network": spec.network,
                 "userns": self.userns, "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
@@ -454,6 +482,22 @@ class NamespaceBackend:
             raise
         ctl = socket.socket(fileno=fds[0])
         return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+
+    def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
+                        scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
+        """Run ``populate`` in a guest, once per host per ``key``, and keep its root as a rootfs."""
+        rootfs = self.rootfs(baseline)
+
+        def capture(staging: Path) -> None:
+            with scratch_guest(baseline) as guest:
+                populate(guest)
+                assert isinstance(guest, NamespaceGuest)
+                guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
+
+        warm = prepare_derived(key, baseline, rootfs, capture)
+        derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")
+        self._rootfs[derived.digest] = warm
+        return derived
 
     def destroy_recorded(self, data: Mapping[str, Any]) -> None:
         destroy_recorded(data)

@@ -19,6 +19,7 @@ can never hold the exec open.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -31,10 +32,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from pytest_smolvm.backends import BackendOptions, GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, ProbeResult, VMSpec
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.probe import remove_fork_lock, vm_data_dir
@@ -468,10 +470,8 @@ class SmolBackend:
     def __init__(self, options: BackendOptions | None = None, *,
                  ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = DEFAULT_CPUS,
                  memory_mb: int = DEFAULT_MEMORY_MB, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> None:
-        """``options.prepare_source`` runs in each source this process boots, before anything branches
-        from it (the ``pytest_smolvm_prepare_baseline`` hook); if it raises, the source is deleted."""
         options = options or BackendOptions()
-        target, labels, on_new_source = options.target, options.labels, options.prepare_source
+        target, labels = options.target, options.labels
         if target not in TARGETS:
             raise UsageError(f"--smol-target={target}: choose local or cloud")
         if target == "cloud" and cloud_token_source() is None:
@@ -481,7 +481,8 @@ class SmolBackend:
         # (pid, start time) identifies the owner even after its pid is reused: the reaper's test.
         self.labels = {LABEL: "1", "owner_pid": str(os.getpid()),
                        "owner_start": str(process_start_time(os.getpid())), **dict(labels or {})}
-        self.on_new_source = on_new_source
+        # derived baseline digest -> the setup that makes it, run in its source before any branch
+        self._populate: dict[str, Callable[[SmolGuest], None]] = {}
         self.ttl_seconds = ttl_seconds if target == "cloud" else None  # the local engine ignores TTLs
         self.default_cpus = cpus
         self.default_memory_mb = memory_mb
@@ -611,6 +612,14 @@ class SmolBackend:
         for key, name in state.items():
             self.adopt_source(key, name)
 
+    def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
+                        scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
+        """The warm baseline of a microVM is its source machine: setup runs there, branches inherit it."""
+        derived = dataclasses.replace(baseline, reference=f"{baseline.reference} + setup",
+                                      digest=f"sha256:{key}")
+        self._populate[derived.digest] = populate
+        return derived
+
     def source_names(self) -> dict[str, str]:
         """key -> machine name (cloud: id) of every source this process owns, for xdist workers."""
         with self._lock:
@@ -636,11 +645,12 @@ class SmolBackend:
             if existing is not None:
                 return existing
             source = self._create_source(key, spec)
-            if self.on_new_source is not None:
+            populate = self._populate.get(spec.baseline.digest)
+            if populate is not None:
                 assert source.machine is not None
                 try:
-                    self.on_new_source(SmolGuest(source.machine, name=source.name, target=self.target,
-                                                 source=None, env=spec.env, owned=False))
+                    populate(SmolGuest(source.machine, name=source.name, target=self.target,
+                                       source=None, env=spec.env, owned=False))
                 except BaseException:
                     with contextlib.suppress(GuestError):
                         self._delete_source(source)

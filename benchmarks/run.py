@@ -1,0 +1,475 @@
+"""pytest-smolvm benchmarks (namespace backend): each figure next to its raw floor, measured in the same run.
+
+    python benchmarks/run.py            # the full set, a few minutes
+    python benchmarks/run.py --quick    # fewer repetitions, smaller suites (about a minute)
+    python benchmarks/run.py --only exec,copy
+
+Prints a table, then one JSON line (``BENCH-JSON {...}``). Every figure is a median over repeated
+runs after a warm-up. Everything happens under fresh PYTEST_SMOLVM_STATE_DIR and
+PYTEST_SMOLVM_CACHE_DIR temp dirs, which are removed at the end. See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SH_TRUE = ["/bin/sh", "-c", "true"]
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    floor_name: str = ""
+    floor: float | None = None
+    target: str = ""
+    ok: bool | None = None
+    method: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return self.value / self.floor if self.floor else None
+
+
+@dataclass
+class Config:
+    quick: bool
+    root: Path
+    env: dict[str, str]
+
+    def n(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def run_checked(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark step failed: {' '.join(argv)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def wall(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float:
+    started = time.perf_counter()
+    run_checked(argv, env, cwd)
+    return time.perf_counter() - started
+
+
+def force_rmtree(path: Path) -> None:
+    def make_writable(func: Any, failed: str, _exc: Any) -> None:
+        os.chmod(os.path.dirname(failed), 0o700)
+        func(failed)
+
+    if path.exists():
+        shutil.rmtree(path, onerror=make_writable)
+
+
+# ------------------------------------------------------------------------------ in-process helpers
+
+
+@contextmanager
+def backend_session() -> Iterator[tuple[Any, Any]]:
+    from pytest_smolvm.backends.namespace import NamespaceBackend
+    from pytest_smolvm.baseline import resolve
+
+    backend = NamespaceBackend()
+    baseline = resolve(None, REPO)
+    backend.prepare(baseline)
+    try:
+        yield backend, baseline
+    finally:
+        backend.close()
+
+
+_names = iter(range(1, 1 << 30))
+
+
+def new_guest(backend: Any, baseline: Any) -> Any:
+    from pytest_smolvm.backends import VMSpec
+
+    return backend.create(VMSpec(name=f"bench-{os.getpid()}-{next(_names)}", baseline=baseline))
+
+
+def guest_exec(guest: Any, argv: list[str]) -> None:
+    result = guest.exec(argv, env={}, workdir=None, stdin=None, timeout=None, output_limit=1 << 20)
+    assert result.exit_code == 0, result
+
+
+# ------------------------------------------------------------------------------ figures
+
+
+def bench_baseline(cfg: Config) -> list[Figure]:
+    """First use: unpack the bundled rootfs into an empty cache; then the cache-hit cost."""
+    from pytest_smolvm.baseline import bundled_rootfs_tarball
+
+    probe = textwrap.dedent("""
+        import time
+        from pathlib import Path
+        started = time.perf_counter()
+        from pytest_smolvm.baseline import resolve, unpack
+        rootfs = unpack(resolve(None, Path.cwd()))
+        print(time.perf_counter() - started)
+    """)
+    tarball = bundled_rootfs_tarball()
+    first, hit, floor = [], [], []
+    for i in range(cfg.n(3, 1) + 1):  # the first round warms the page cache and is dropped
+        cache = cfg.root / f"cache-first-{i}"
+        env = {**cfg.env, "PYTEST_SMOLVM_CACHE_DIR": str(cache)}
+        first_s = float(run_checked([sys.executable, "-c", probe], env, REPO).stdout)
+        hit_s = float(run_checked([sys.executable, "-c", probe], env, REPO).stdout)
+        force_rmtree(cache)
+        dest = cfg.root / f"tar-floor-{i}"
+        dest.mkdir()
+        floor_s = wall(["tar", "--zstd", "-xf", str(tarball), "-C", str(dest)], cfg.env)
+        force_rmtree(dest)
+        if i:
+            first.append(first_s)
+            hit.append(hit_s)
+            floor.append(floor_s)
+    return [
+        Figure("baseline first use (unpack bundled rootfs)", median(first), "s", "tar --zstd -xf", median(floor),
+               "(none)", None, "import + resolve + unpack into an empty cache, in a fresh interpreter"),
+        Figure("baseline cache hit", median(hit), "s", "", None, "(none)", None,
+               "import + resolve + unpack with the cache populated"),
+    ]
+
+
+def bench_floor_vs_bare(cfg: Config) -> list[Figure]:
+    """Per guest: bare create + exec + destroy vs the kernel floor, interleaved in rounds."""
+    from pytest_smolvm.baseline import resolve, unpack
+
+    lower = str(unpack(resolve(None, REPO)).path)
+    floor_dir = cfg.root / "floor"
+    floor_dir.mkdir()
+    rounds, per_round = cfg.n(5, 3), cfg.n(40, 20)
+    floor: list[float] = []
+    bare: list[float] = []
+    with backend_session() as (backend, baseline):
+        for _ in range(10):  # warm-up: the zygote, the page cache, the allocator
+            guest = new_guest(backend, baseline)
+            guest_exec(guest, SH_TRUE)
+            guest.destroy()
+
+        def one() -> None:
+            guest = new_guest(backend, baseline)
+            guest_exec(guest, SH_TRUE)
+            guest.destroy()
+
+        for _ in range(rounds):
+            out = run_checked([sys.executable, "-I", "-S", str(HERE / "_floor.py"), lower, str(floor_dir),
+                               str(per_round + 5)], cfg.env).stdout
+            floor += json.loads(out)[5:]
+            bare += [timed(one) for _ in range(per_round)]
+    force_rmtree(floor_dir)
+    return [Figure("bare backend loop (create+exec+destroy)", median(bare) * 1e3, "ms",
+                   "kernel floor (fork+unshare+overlay+spawn)", median(floor) * 1e3, "<= 3x", None,
+                   f"per-iteration medians, {len(bare)} each, interleaved in {rounds} rounds")]
+
+
+def bench_exec(cfg: Config) -> list[Figure]:
+    rounds, per_round = cfg.n(5, 3), cfg.n(100, 40)
+    ours: list[float] = []
+    floor: list[float] = []
+    with backend_session() as (backend, baseline):
+        guest = new_guest(backend, baseline)
+        try:
+            for _ in range(20):
+                guest_exec(guest, ["true"])
+                subprocess.run(["true"])
+            for _ in range(rounds):
+                ours += [timed(lambda: guest_exec(guest, ["true"])) for _ in range(per_round)]
+                floor += [timed(lambda: subprocess.run(["true"])) for _ in range(per_round)]
+        finally:
+            guest.destroy()
+    return [Figure('exec(["true"]) round trip', median(ours) * 1e3, "ms", 'subprocess.run(["true"])',
+                   median(floor) * 1e3, "<= 2x", None, f"per-call medians, {len(ours)} each, interleaved")]
+
+
+def _make_tree(root: Path, files: int, size: int, per_dir: int) -> None:
+    for i in range(files):
+        d = root / f"d{i // per_dir:03d}"
+        if i % per_dir == 0:
+            d.mkdir(parents=True)
+        (d / f"f{i:05d}").write_bytes(os.urandom(size))
+
+
+def bench_copy(cfg: Config) -> list[Figure]:
+    from pytest_smolvm.vm import VM
+
+    # The guest's files live in tmpfs; the host side of every copy (source, floor and copy_out
+    # destinations) does too where /dev/shm allows, so that the disk (slow and noisy for 10,000
+    # small files on this host's ext4) measures neither side.
+    shm = Path("/dev/shm")
+    fast_dir = Path(tempfile.mkdtemp(prefix="smolvm-bench-", dir=shm)) if shm.is_dir() and os.access(
+        shm, os.W_OK) else cfg.root / "fast"
+    fast_dir.mkdir(exist_ok=True)
+    trees = {"100 MB tree (100 x 1 MB)": (100, 1 << 20, 10), "10,000 small files (100 B)": (10_000, 100, 100)}
+    reps = cfg.n(3, 1)
+    figures = []
+    try:
+        with backend_session() as (backend, baseline):
+            for label, (files, size, per_dir) in trees.items():
+                src = fast_dir / "copy-src"
+                _make_tree(src, files, size, per_dir)
+                t_in: list[float] = []
+                t_out: list[float] = []
+                f_in: list[float] = []
+                f_out: list[float] = []
+                for rep in range(reps + 1):  # rep 0 is the warm-up
+                    vm = VM(new_guest(backend, baseline))
+                    try:
+                        started = time.perf_counter()
+                        vm.copy_in(src, "/work/tree")
+                        t_in.append(time.perf_counter() - started)
+                        dest = fast_dir / f"copy-out-{rep}"
+                        started = time.perf_counter()
+                        vm.copy_out("/work/tree", dest)
+                        t_out.append(time.perf_counter() - started)
+                        force_rmtree(dest)
+                    finally:
+                        vm._guest.destroy()
+                    floor_in = fast_dir / f"in-{rep}"
+                    floor_out = fast_dir / f"floor-out-{rep}"
+                    for dest, source in ((floor_in, src), (floor_out, floor_in)):
+                        dest.mkdir()
+                        (f_in if dest is floor_in else f_out).append(wall(
+                            ["sh", "-c", f"tar -C '{source}' -cf - . | tar -C '{dest}' -xf -"], cfg.env))
+                    force_rmtree(floor_in)
+                    force_rmtree(floor_out)
+                force_rmtree(src)
+                figures.append(Figure(f"copy_in {label}", median(t_in[1:]), "s", "tar c | tar x (host)",
+                                      median(f_in[1:]), "<= 1.5x", None, f"median of {reps} after a warm-up"))
+                figures.append(Figure(f"copy_out {label}", median(t_out[1:]), "s", "tar c | tar x (host)",
+                                      median(f_out[1:]), "<= 1.5x", None, f"median of {reps} after a warm-up"))
+    finally:
+        force_rmtree(fast_dir)
+    return figures
+
+
+SUITE = """
+import os
+import pytest
+
+N = int(os.environ["SMOLVM_BENCH_N"])
+
+
+@pytest.mark.parametrize("i", range(N))
+def test_vm(smol_vm, i):
+    smol_vm.exec("true")
+"""
+
+BUSY_SUITE = """
+import os
+import pytest
+
+N = int(os.environ["SMOLVM_BENCH_N"])
+
+
+@pytest.mark.parametrize("i", range(N))
+def test_vm(smol_vm, i):
+    smol_vm.write_file("/work/in.txt", str(i))
+    assert smol_vm.exec("cat /work/in.txt && echo ok").stdout == f"{i}ok\\n"
+    smol_vm.exec(["true"], check=True)
+"""
+
+
+def _pytest_wall(cfg: Config, suite: Path, n: int, extra: list[str]) -> float:
+    env = {**cfg.env, "SMOLVM_BENCH_N": str(n), "PYTHONDONTWRITEBYTECODE": "1"}
+    argv = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+            "-o", "addopts=", "--rootdir", str(suite.parent), *extra]
+    return wall(argv, env, suite.parent)
+
+
+def _per_item(measure: Callable[[int], float], n: int, reps: int) -> float:
+    """Steady cost per item: (wall(2N) - wall(N)) / N, each a median of ``reps`` after a warm-up run."""
+    measure(max(n // 4, 2))  # warm-up: page cache, bytecode, the baseline cache
+    small = [measure(n) for _ in range(reps)]
+    large = [measure(2 * n) for _ in range(reps)]
+    return (median(large) - median(small)) / n
+
+
+def bench_plugin_overhead(cfg: Config) -> list[Figure]:
+    suite_dir = cfg.root / "suite"
+    suite_dir.mkdir()
+    suite = suite_dir / "test_bench.py"
+    suite.write_text(SUITE)
+    n, reps = cfg.n(100, 40), cfg.n(3, 2)
+    bare_script = str(HERE / "_bare.py")
+    bare = _per_item(lambda k: wall([sys.executable, bare_script, str(k)], cfg.env, REPO), n, reps)
+    plugin = _per_item(lambda k: _pytest_wall(cfg, suite, k, []), n, reps)
+    force_rmtree(suite_dir)
+    return [Figure('pytest test with smol_vm + exec("true")', plugin * 1e3, "ms",
+                   "bare backend loop (subprocess)", bare * 1e3, "<= 1.15x", None,
+                   f"(wall(2N) - wall(N)) / N, N={n}, median of {reps} per size, same method for both")]
+
+
+def bench_throughput(cfg: Config) -> list[Figure]:
+    suite_dir = cfg.root / "busy"
+    suite_dir.mkdir()
+    suite = suite_dir / "test_busy.py"
+    suite.write_text(BUSY_SUITE)
+    n, reps = cfg.n(100, 40), cfg.n(2, 1)
+    one = _per_item(lambda k: _pytest_wall(cfg, suite, k, ["-n", "1"]), n, reps)
+    two = _per_item(lambda k: _pytest_wall(cfg, suite, k, ["-n", "2"]), n, reps)
+    force_rmtree(suite_dir)
+    return [Figure("throughput -n 2 (VM-bound suite)", 1 / two, "tests/s", "-n 1", 1 / one, ">= 1.7x", None,
+                   f"N / (wall(2N) - wall(N)), N={n}, median of {reps}; per test: write_file + 2 exec")]
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _mem_available_kb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1])
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def bench_memory(cfg: Config) -> list[Figure]:
+    count = 50
+    pss_per, avail_per = [], []
+    with backend_session() as (backend, baseline):
+        new_guest(backend, baseline).destroy()  # the zygote exists before the "before" reading
+        for _ in range(cfg.n(3, 1)):
+            time.sleep(0.3)
+            before = _mem_available_kb()
+            guests = [new_guest(backend, baseline) for _ in range(count)]
+            try:
+                for guest in guests:
+                    guest_exec(guest, ["true"])  # alive and served at least once
+                time.sleep(0.5)
+                after = _mem_available_kb()
+                pss = sum(_pss_kb(p) for g in guests for p in _descendants(g.pid))
+            finally:
+                for guest in guests:
+                    guest.destroy()
+            pss_per.append(pss / count / 1024)
+            avail_per.append((before - after) / count / 1024)
+    return [Figure("host memory per idle VM (PSS, 50 alive)", median(pss_per), "MB", "", None, "<= 10 MB", None,
+                   "sum of PSS over each guest's host processes / 50"),
+            Figure("  cross-check: MemAvailable drop per VM", median(avail_per), "MB", "", None, "<= 10 MB", None,
+                   "(MemAvailable before - with 50 alive) / 50; noisy, includes kernel objects")]
+
+
+BENCHES: dict[str, Callable[[Config], list[Figure]]] = {
+    "baseline": bench_baseline,
+    "floor": bench_floor_vs_bare,
+    "exec": bench_exec,
+    "copy": bench_copy,
+    "plugin": bench_plugin_overhead,
+    "throughput": bench_throughput,
+    "memory": bench_memory,
+}
+
+
+def judge(fig: Figure) -> None:
+    target = fig.target
+    if target.startswith("<= ") and target.endswith("x") and fig.ratio is not None:
+        fig.ok = fig.ratio <= float(target[3:-1])
+    elif target.startswith(">= ") and target.endswith("x") and fig.ratio is not None:
+        fig.ok = fig.ratio >= float(target[3:-1])
+    elif target.startswith("<= ") and target.endswith(" MB"):
+        fig.ok = fig.value <= float(target[3:-3])
+
+
+def render(figures: list[Figure]) -> str:
+    rows = [("figure", "value", "floor", "floor value", "ratio", "target", "ok")]
+    for f in figures:
+        floor = "" if f.floor is None else f"{f.floor:.3g} {f.unit}"
+        rows.append((f.name, f"{f.value:.3g} {f.unit}", f.floor_name, floor,
+                     "" if f.ratio is None else f"{f.ratio:.2f}x", f.target,
+                     "" if f.ok is None else ("yes" if f.ok else "MISS")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller suites")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(BENCHES)}")
+    args = parser.parse_args()
+    chosen = [b for b in args.only.split(",") if b] or list(BENCHES)
+    unknown = set(chosen) - set(BENCHES)
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+
+    root = Path(tempfile.mkdtemp(prefix="smolvm-bench-"))
+    env = {**os.environ, "PYTEST_SMOLVM_STATE_DIR": str(root / "state"),
+           "PYTEST_SMOLVM_CACHE_DIR": str(root / "cache")}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    os.environ.update({k: env[k] for k in ("PYTEST_SMOLVM_STATE_DIR", "PYTEST_SMOLVM_CACHE_DIR")})
+    cfg = Config(args.quick, root, env)
+    figures: list[Figure] = []
+    started = time.monotonic()
+    try:
+        for name in chosen:
+            t0 = time.monotonic()
+            figures += BENCHES[name](cfg)
+            print(f"[{name}: {time.monotonic() - t0:.1f}s]", file=sys.stderr, flush=True)
+    finally:
+        leftovers = list((root / "state" / "scratch").glob("*")) if (root / "state" / "scratch").is_dir() else []
+        force_rmtree(root)
+    for fig in figures:
+        judge(fig)
+    print(render(figures))
+    print(f"(total {time.monotonic() - started:.0f}s, {os.cpu_count()} CPUs, {'quick' if args.quick else 'full'})")
+    if leftovers:
+        print(f"WARNING: {len(leftovers)} scratch dirs were left behind", file=sys.stderr)
+    print("BENCH-JSON " + json.dumps({"quick": args.quick, "figures": [
+        {**asdict(f), "ratio": f.ratio} for f in figures]}))
+
+
+if __name__ == "__main__":
+    main()
