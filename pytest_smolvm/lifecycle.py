@@ -8,6 +8,7 @@ with a registry record that a reaper can act on.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import signal
@@ -15,7 +16,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import (
     Backend,
     BackendOptions,
+    Guest,
     Selection,
     VMSpec,
     backend_class,
@@ -57,6 +59,22 @@ def signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@dataclass(frozen=True)
+class BaselineSetup:
+    """What turns a baseline into a warm one: the prepare hook, then setup commands."""
+
+    run_hook: Callable[[VM], None] | None = None
+    commands: tuple[str, ...] = ()
+    identity: str = ""  # changes whenever the hook's source or the commands change
+
+    def __bool__(self) -> bool:
+        return self.run_hook is not None or bool(self.commands)
+
+
+class BaselineSetupError(ProvisionError):
+    """The warm baseline's setup failed; every test that needs it fails with this, once."""
+
+
 class SmolVMWarning(UserWarning):
     """A guest could not be destroyed; its registry record stays for the reaper."""
 
@@ -88,6 +106,7 @@ class SmolSession:
         except UsageError as exc:
             raise UsageError(str(exc).replace("--smol-baseline", self.settings.baseline_option)) from None
         self._baselines: dict[str | None, Baseline] = {None: self.default_baseline}
+        self._warm: dict[str, Baseline | BaselineSetupError] = {}
         self._backend: Backend | None = None
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
@@ -119,13 +138,52 @@ class SmolSession:
     def new_name(self) -> str:
         return f"smol-{self.run_id[:8]}-{self.worker}-{next(self._counter)}"
 
-    def create(self, test_id: str, spec: MarkerSpec) -> LiveGuest:
+    def warm_baseline(self, base: Baseline, setup: BaselineSetup) -> Baseline:
+        """``base`` after ``setup``, prepared once per host (a failure is remembered, not retried)."""
+        key = hashlib.sha256(f"{base.digest}\0{setup.identity}".encode()).hexdigest()
+        known = self._warm.get(key)
+        if isinstance(known, BaselineSetupError):
+            raise BaselineSetupError(f"the baseline setup already failed in this run: {known}")
+        if known is not None:
+            return known
+
+        def populate(guest: Guest) -> None:
+            vm = VM(guest, backend=self.selection.name, isolation=self.backend_cls.isolation,
+                    baseline=base.reference, digest=base.digest)
+            try:
+                if setup.run_hook is not None:
+                    setup.run_hook(vm)
+                for command in setup.commands:
+                    vm.exec(command, check=True)
+            except Exception as exc:
+                raise BaselineSetupError(f"{type(exc).__name__}: {exc}\n--- setup transcript\n"
+                                         f"{vm.transcript_text()}") from exc
+
+        @contextlib.contextmanager
+        def scratch_guest(baseline: Baseline) -> Iterator[Guest]:
+            live = self._create_once("<baseline setup>", MarkerSpec(), baseline)
+            try:
+                yield live.guest
+            finally:
+                self.destroy(live)
+
+        try:
+            warm = self.backend.derive_baseline(base, key, populate, scratch_guest)
+        except BaselineSetupError as exc:
+            self._warm[key] = exc
+            raise
+        self._warm[key] = warm
+        return warm
+
+    def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None) -> LiveGuest:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
         Raises ProvisionError (infrastructure) or UsageError (bad spec). Only provisioning is
         retried: the test body has not started yet.
         """
         base = self.baseline_for(spec.image)
+        if setup:
+            base = self.warm_baseline(base, setup)
         started = time.monotonic()
         slot = capacity.acquire(self.settings.max_vms) if self.settings.max_vms else None
         try:

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import signal
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
 import pytest
 
-from pytest_smolvm import hookspecs, reporting
+from pytest_smolvm import artifacts, episodes, hookspecs, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.lifecycle import LiveGuest, SmolSession
+from pytest_smolvm.lifecycle import BaselineSetup, BaselineSetupError, LiveGuest, SmolSession
 from pytest_smolvm.registry import records
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 from pytest_smolvm.vm import VM
@@ -23,6 +25,7 @@ GUESTS_KEY = pytest.StashKey[list[LiveGuest]]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
+SETUP_KEY = pytest.StashKey[BaselineSetup]()
 RUN_ID_INPUT = "smolvm_run_id"
 SHARED_INPUT = "smolvm_shared_state"
 
@@ -56,6 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(counter, "smolvm-counter")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistController(session), "smolvm-xdist")
+    episodes.install(config, session)
+    artifacts.install(config, session)
 
 
 def _signals_to_keyboard_interrupt() -> dict[int, Any]:
@@ -142,8 +147,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
     guests = item.stash.get(GUESTS_KEY, [])
-    if report.failed and guests and report.when != "teardown":
-        report.sections.extend(reporting.guest_sections(guests))
+    artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
     return report
 
 
@@ -156,10 +160,12 @@ def _fail_setup(message: str) -> NoReturn:
 
 
 @pytest.fixture
-def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM]]:
+def smol_vm_factory(request: pytest.FixtureRequest,
+                    smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
     """Make guests on demand: ``smol_vm_factory(**marker_keywords)``; all destroyed at teardown."""
     item = request.node
     session = request.config.stash[SESSION_KEY]
+    setup = _baseline_setup(request.config, smol_baseline_setup)
     made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
     try:
         base_spec: MarkerSpec | None = marker_spec(item)
@@ -176,10 +182,14 @@ def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM
             proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
             item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
             spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
-            live: LiveGuest | None = session.create(item.nodeid, spec)
+            live: LiveGuest | None = session.create(item.nodeid, spec, setup)
             problem = ""
         except UsageError as exc:
             live, problem = None, str(exc)
+        except BaselineSetupError as exc:
+            # Stop the run (xdist included) rather than fail every remaining test the same way.
+            request.session.shouldstop = "pytest-smolvm: the baseline setup failed (its output is above)"
+            live, problem = None, f"pytest-smolvm: the baseline setup failed: {exc}"
         except ProvisionError as exc:
             live, problem = None, f"pytest-smolvm: could not provision a guest (infrastructure, not the test): {exc}"
         if live is None:
@@ -197,12 +207,48 @@ def smol_vm_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., VM
         yield make
     finally:
         keep = session.settings.keep
+        artifacts.before_destroy(item, made)  # files to save need the guests alive
         for live in reversed(made):
             if keep == "always" or (keep == "failed" and _test_failed(item)):
                 session.keep(live)
             else:
                 session.destroy(live)
         made.clear()
+
+
+@pytest.fixture(scope="session")
+def smol_baseline_setup() -> Sequence[str]:
+    """Shell commands that make the warm baseline, run once per host before any guest forks.
+
+    Override it in a conftest.py (keep it session-scoped) to return your setup commands; the
+    ``pytest_smolvm_prepare_baseline`` hook is the same thing for code that needs the VM handle.
+    """
+    return ()
+
+
+def _baseline_setup(config: pytest.Config, commands: Sequence[str]) -> BaselineSetup:
+    """The session's warm-baseline setup, keyed by the hook implementations' source and the commands."""
+    if isinstance(commands, str) or not all(isinstance(c, str) for c in commands):
+        _fail_setup(f"smol_baseline_setup must return a list of shell commands, got {commands!r}")
+    cached = config.stash.get(SETUP_KEY, None)
+    if cached is not None and cached.commands == tuple(commands):
+        return cached
+    impls = config.hook.pytest_smolvm_prepare_baseline.get_hookimpls()
+    identity = hashlib.sha256()
+    for impl in impls:
+        try:
+            identity.update(inspect.getsource(impl.function).encode())
+        except (OSError, TypeError):
+            identity.update(impl.function.__qualname__.encode())
+    for command in commands:
+        identity.update(b"\0" + command.encode())
+
+    def run_hook(vm: VM) -> None:
+        config.hook.pytest_smolvm_prepare_baseline(vm=vm, config=config)
+
+    setup = BaselineSetup(run_hook if impls else None, tuple(commands), identity.hexdigest())
+    config.stash[SETUP_KEY] = setup
+    return setup
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""What the user reads: the report header, guest sections on failed tests, the closing summary."""
+"""What the user reads: the report header and the closing summary (guest logs: artifacts.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING
 from pytest_smolvm.baseline import preparations
 
 if TYPE_CHECKING:
-    from pytest_smolvm.lifecycle import LiveGuest, SmolSession
+    from pytest_smolvm.lifecycle import SmolSession
     from pytest_smolvm.registry import Record
 
-SECTION_PREFIX = "smolvm guest"
 
 
 def header_lines(session: SmolSession) -> list[str]:
@@ -36,18 +35,6 @@ def header_lines(session: SmolSession) -> list[str]:
     if callable(describe):
         lines.extend(f"smolvm: {line}" for line in describe())
     return lines
-
-
-def guest_sections(guests: Iterable[LiveGuest]) -> list[tuple[str, str]]:
-    """One report section per guest: its logs and exec transcript."""
-    sections = []
-    for live in guests:
-        try:
-            text = live.vm.logs()
-        except Exception as exc:  # a broken guest must not hide the test's own failure
-            text = f"(guest logs unavailable: {type(exc).__name__}: {exc})\n{live.vm.transcript_text()}"
-        sections.append((f"{SECTION_PREFIX} {live.vm.name}", text))
-    return sections
 
 
 def summary_lines(session: SmolSession, kept: Iterable[Record], *, used_guests: bool) -> list[str]:

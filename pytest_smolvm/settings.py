@@ -18,6 +18,7 @@ from pytest_smolvm.errors import UsageError
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
+LOGS_CHOICES = ("failed", "always")
 MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env")
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
@@ -33,6 +34,8 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-max-vms", "smol_max_vms", "most guests alive at once on this host, all workers together."),
     ("--smol-results", "smol_results", "write one JSON line per test/episode to this file."),
     ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
+    ("--smol-logs", "smol_logs",
+     "which tests' guest logs and transcripts go to every report sink: failed or always. Default: failed."),
 )
 
 
@@ -53,6 +56,7 @@ class Settings:
     max_vms: int | None = None
     results: Path | None = None
     artifacts: Path | None = None
+    logs: str = "failed"
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
 
@@ -78,7 +82,8 @@ class Settings:
         if value is not None:
             settings = replace(settings, backend=_known_backend(name, value))
         for key, choices, attr in (("smol_target", TARGET_CHOICES, "target"),
-                                   ("smol_keep", KEEP_CHOICES, "keep")):
+                                   ("smol_keep", KEEP_CHOICES, "keep"),
+                                   ("smol_logs", LOGS_CHOICES, "logs")):
             name, value, _ = get(key)
             if value is not None:
                 if value not in choices:

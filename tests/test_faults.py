@@ -241,3 +241,20 @@ def test_a_dead_helper_is_replaced_by_a_retry(pytester: pytest.Pytester, smol_st
             assert second.exec("echo ok").stdout == "ok\\n"
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_pytest_timeout_thread_method_without_xdist_leaves_nothing(pytester: pytest.Pytester,
+                                                                   smol_state: Path) -> None:
+    # The whole pytest process dies (os._exit): its namespace helper outlives it and cleans up.
+    pytester.makepyfile("""
+        import time
+        import pytest
+
+        @pytest.mark.timeout(2, method="thread")
+        def test_hangs(smol_vm, smol_vm_factory):
+            smol_vm_factory().exec("sleep 300 >/dev/null 2>&1 &", check=True)
+            time.sleep(60)
+    """)
+    result = pytester.runpytest_subprocess()
+    assert result.ret != 0
+    assert "Timeout" in result.stdout.str() + result.stderr.str()

@@ -186,14 +186,46 @@ def test_signal_mid_test_destroys(pytester: pytest.Pytester, smol_state: Path, s
     assert "Traceback" not in out.split("KeyboardInterrupt")[0]
 
 
-def test_killed_pytest_leaves_nothing_running_and_reap_clears_the_rest(
-        pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+KILL_HELPER_AND_SELF = """
+import os, signal
+from pathlib import Path
+
+def kill_helper_and_self():
+    # SIGKILL for the test process and its namespace helper at once: nothing left to clean up
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"_nsguest.py" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            os.kill(int(entry.name), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_pytest_is_cleaned_up_after_by_its_helper(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         import os, signal
 
+        def test_crash(smol_vm, smol_vm_factory):
+            smol_vm_factory().exec("sleep 300 >/dev/null 2>&1 &", check=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = pytester.runpytest_subprocess()
+    assert result.ret == -signal.SIGKILL
+    # smol_state checks: no record, scratch dir, process or cgroup is left, with no reap run
+
+
+def test_killed_pytest_and_helper_leave_nothing_running_and_reap_clears_the_rest(
+        pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+    pytester.makeconftest(KILL_HELPER_AND_SELF)
+    pytester.makepyfile("""
+        from conftest import kill_helper_and_self
+
         def test_crash(smol_vm):
             smol_vm.exec("sleep 300 >/dev/null 2>&1 &", check=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_helper_and_self()
     """)
     result = pytester.runpytest_subprocess()
     assert result.ret == -signal.SIGKILL
@@ -211,11 +243,12 @@ def test_killed_pytest_leaves_nothing_running_and_reap_clears_the_rest(
 
 
 def test_next_session_reaps_what_a_dead_run_left(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeconftest(KILL_HELPER_AND_SELF)
     pytester.makepyfile(test_crash="""
-        import os, signal
+        from conftest import kill_helper_and_self
 
         def test_crash(smol_vm):
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_helper_and_self()
     """)
     pytester.runpytest_subprocess("test_crash.py")
     assert list((smol_state / "registry").glob("*.json"))
@@ -403,3 +436,65 @@ def test_baseline_is_unpacked_once_per_host_whatever_n_is(pytester: pytest.Pytes
     second.assert_outcomes(passed=100)
     second.stdout.fnmatch_lines(["smolvm: baseline unpacked once on this host by gw* (pid *) in *s at *"])
     assert len((cache / "baselines" / "preparations.jsonl").read_text().splitlines()) == 1
+
+
+WARM_CONFTEST = """
+import pytest
+
+PREPARED = []
+
+def pytest_smolvm_prepare_baseline(vm, config):
+    vm.write_file("/opt/warm/marker", "prepared once")
+    vm.exec("echo '#!/bin/sh' > /usr/local/bin/agent && echo 'echo agent ready' >> /usr/local/bin/agent"
+            " && chmod +x /usr/local/bin/agent", check=True)
+
+@pytest.fixture(scope="session")
+def smol_baseline_setup():
+    return ["mkdir -p /srv/data && echo from-commands > /srv/data/seed"]
+"""
+
+
+def test_warm_baseline_is_prepared_once_and_every_test_starts_from_it(
+        pytester: pytest.Pytester, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = pytester.mkdir("warm-cache")
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(cache))
+    pytester.makeconftest(WARM_CONFTEST)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(20))
+        def test_inherits(smol_vm, i):
+            assert smol_vm.read_file("/opt/warm/marker") == b"prepared once"
+            assert smol_vm.exec("agent").stdout == "agent ready\\n"
+            assert smol_vm.exec("cat /srv/data/seed").stdout == "from-commands\\n"
+            smol_vm.write_file("/opt/warm/marker", f"changed by {i}")  # never seen by the next test
+    """)
+    pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly").assert_outcomes(passed=20)
+    log = [json.loads(line) for line in (cache / "baselines" / "preparations.jsonl").read_text().splitlines()]
+    assert [entry["reference"] for entry in log] == ["bundled alpine", "bundled alpine + setup"]
+    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=20)
+    assert len((cache / "baselines" / "preparations.jsonl").read_text().splitlines()) == 2  # cached
+
+    pytester.makeconftest(WARM_CONFTEST.replace("prepared once", "prepared twice"))  # new setup, new key
+    result = pytester.runpytest_subprocess("-n", "2")
+    result.assert_outcomes(failed=20)  # the tests assert the old marker: they really see the new one
+    result.stdout.fnmatch_lines(["*b'prepared twice' == b'prepared once'*"])
+
+
+def test_failing_baseline_setup_stops_the_run_once(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeconftest("""
+        def pytest_smolvm_prepare_baseline(vm, config):
+            vm.exec("echo installing; echo 'E: package not found' >&2; exit 100", check=True)
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(30))
+        def test_never_runs(smol_vm, i):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert out.count("the baseline setup failed:") == 1, out
+    result.stdout.fnmatch_lines(["*E: package not found*", "*Interrupted: pytest-smolvm: the baseline setup failed*"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,19 @@ def test_report_header(pytester: pytest.Pytester, smol_state: Path) -> None:
         "smolvm: baseline bundled alpine (bundled, sha256:*)",
         "smolvm: limits: *",
     ])
+
+
+def test_smol_backend_where_no_microvm_boots_is_a_usage_error_with_the_probes_reason(
+        pytester: pytest.Pytester, smol_state: Path) -> None:
+    from pytest_smolvm.probe import probe  # the same cached probe the plugin uses
+
+    verdict = probe()
+    pytester.makepyfile(PASSING)
+    started = time.monotonic()
+    result = pytester.runpytest_subprocess("--smol-backend=smol")
+    if verdict.available:
+        result.assert_outcomes(passed=1)
+        return
+    one_line_usage_error(result, "--smol-backend=smol: no microVM boots on this host", verdict.reason[:60],
+                         "pytest-smolvm doctor")
+    assert time.monotonic() - started < 60

@@ -1,0 +1,293 @@
+"""Episodes, rewards, the results JSONL and the summary: real pytest runs in subprocesses.
+
+Pure functions (seed derivation, pass@k, the line writer) are checked directly as well.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_smolvm.episodes import append_line, episode_seed, pass_at_k, read_results, summarize
+
+EVALS = Path(__file__).resolve().parent.parent / "examples" / "evals"
+REQUIRED = {"v", "test", "function", "case", "params", "episode", "episodes", "seed", "outcome", "message",
+            "reward", "info", "durations", "vms", "backend", "baseline", "baseline_digest", "worker", "run_id"}
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    raw = path.read_text().splitlines()
+    parsed = [json.loads(line) for line in raw]  # every line is whole, valid JSON
+    assert all(line.endswith("}") for line in raw)
+    return parsed
+
+
+def _table_row(stdout: str, function: str) -> list[str]:
+    for line in stdout.splitlines():
+        if line.startswith(function + " "):
+            return line[len(function):].replace("±", " ").split()
+    raise AssertionError(f"no summary row for {function} in:\n{stdout}")
+
+
+# ---------------------------------------------------------------------- pure functions
+
+
+def test_seed_derivation_is_fixed() -> None:
+    # A change here silently changes every user's episodes: it must be deliberate.
+    assert [episode_seed(0, i) for i in range(4)] == [649347116, 2019027691, 2780028206, 47239991]
+    assert episode_seed(1, 0) != episode_seed(0, 1)
+    assert all(0 <= episode_seed(s, i) < 2**32 for s in (-5, 0, 10**30) for i in range(50))
+
+
+def test_pass_at_k_is_the_unbiased_estimator() -> None:
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0  # k = n: did any attempt pass
+    assert pass_at_k(4, 1, 1) == 0.25  # k = 1: the pass rate
+    assert math.isclose(pass_at_k(5, 2, 2), 1 - math.comb(3, 2) / math.comb(5, 2))
+
+
+def test_summary_groups_tasks_and_leaves_skips_out() -> None:
+    def line(case: str, outcome: str, reward: float | None) -> dict[str, Any]:
+        return {"function": "t.py::f", "case": case, "episodes": 2, "outcome": outcome, "reward": reward}
+
+    rows = summarize([line("a", "passed", 1.0), line("a", "failed", 0.0), line("b", "failed", 0.0),
+                      line("b", "error", None), line("c", "skipped", None), line("c", "skipped", None),
+                      {"function": "t.py::plain", "case": "", "episodes": None, "outcome": "passed", "reward": None}])
+    assert len(rows) == 1  # a test without episodes or rewards has no row
+    row = rows[0]
+    assert (row.tasks, row.episodes, row.passed, row.k) == (3, 6, 1, 2)
+    assert row.pass_at_1 == 0.25 and row.pass_at_k == 0.5  # tasks a and b attempted; c was all skipped
+    assert row.reward_mean == pytest.approx(1 / 3) and row.reward_min == 0.0 and row.reward_max == 1.0
+    assert row.reward_se == pytest.approx(math.sqrt((1 / 3) / 3))
+
+
+def _writer(path: str, worker: int) -> None:
+    for i in range(200):
+        append_line(Path(path), {"worker": worker, "i": i, "pad": "x" * (i * 37 % 5000)})
+
+
+def test_concurrent_appends_never_interleave(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    procs = [multiprocessing.get_context("fork").Process(target=_writer, args=(str(path), w)) for w in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    lines = _lines(path)
+    assert len(lines) == 1200
+    assert {(ln["worker"], ln["i"]) for ln in lines} == {(w, i) for w in range(6) for i in range(200)}
+
+
+def test_read_results_skips_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"test": "a"}\n{"test": "b"}\n{"test": "c", "outc')
+    assert [ln["test"] for ln in read_results(path)] == ["a", "b"]
+
+
+# ---------------------------------------------------------------------- pytest runs
+
+
+def test_example_eval_suite_writes_one_line_per_episode(pytester: pytest.Pytester, smol_state: Path) -> None:
+    shutil.copytree(EVALS, pytester.path / "evals")
+    pytester.path.joinpath("results").mkdir()
+    pytester.path.joinpath("results", "r.jsonl").write_text("stale line from an earlier run\n")
+    result = pytester.runpytest_subprocess("evals", "-n", "2", "--smol-results=results/r.jsonl",
+                                           "-p", "no:randomly")
+    result.assert_outcomes(passed=12)
+    lines = _lines(pytester.path / "results" / "r.jsonl")  # the stale line is gone: truncated once
+    tasks = sorted(p.name for p in (EVALS / "tasks").iterdir())
+    expected_ids = {f"evals/test_evals.py::test_agent[{t}-ep{i}]" for t in tasks for i in range(4)}
+    assert [ln["test"] for ln in lines if ln["test"] in expected_ids] == [ln["test"] for ln in lines]
+    assert {ln["test"] for ln in lines} == expected_ids and len(lines) == 12
+    for ln in lines:
+        assert set(ln) >= REQUIRED, ln
+        assert ln["function"] == "evals/test_evals.py::test_agent"
+        assert ln["params"] == {"task": ln["case"]} and ln["case"] in tasks
+        assert ln["seed"] == episode_seed(0, ln["episode"]) and ln["episodes"] == 4
+        assert ln["outcome"] == "passed" and 0 <= ln["reward"] <= 1 and ln["info"]["task"] == ln["case"]
+        assert set(ln["durations"]) == {"setup", "call", "teardown", "provision", "destroy"}
+        assert ln["durations"]["provision"] > 0 and ln["durations"]["destroy"] > 0
+        assert len(ln["vms"]) == 1 and ln["vms"][0].startswith("smol-")
+        assert ln["backend"] in ("namespace", "smol") and ln["baseline_digest"].startswith("sha256:")
+        assert ln["worker"] in ("gw0", "gw1")
+    assert len({ln["run_id"] for ln in lines}) == 1
+    assert len({vm for ln in lines for vm in ln["vms"]}) == 12  # a fresh guest per episode
+
+    # The summary row is the lines, aggregated.
+    rewards = [ln["reward"] for ln in lines]
+    mean = sum(rewards) / len(rewards)
+    se = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
+    row = _table_row(result.stdout.str(), "evals/test_evals.py::test_agent")
+    assert row == ["3", "12", "12", "1.000", "1.000", "4", f"{mean:.3f}", f"{se:.3f}", f"{min(rewards):.3f}",
+                   f"{max(rewards):.3f}"]
+    result.stdout.fnmatch_lines(["*smolvm: 12 result line(s) in *r.jsonl"])
+
+
+def test_episodes_grid_ids_seeds_and_outcomes(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("task", ["t1", "t2"])
+        @pytest.mark.smol_episodes(3, seed=5)
+        def test_grid(smol_vm, smol_episode, task):
+            assert smol_vm.exec("hostname").stdout.strip() == smol_vm.name
+            smol_episode.record(smol_episode.index / 2, task=task, seed=smol_episode.seed)
+            assert smol_episode.index != 2 or task == "t1"
+
+        @pytest.mark.smol_episodes(n=2)
+        def test_skips(smol_episode):
+            pytest.skip("not this one")
+
+        def test_plain(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-results=r.jsonl", "-p", "no:randomly",
+                                           "--strict-markers")
+    result.assert_outcomes(passed=6, failed=1, skipped=2)
+    lines = {ln["test"].split("::")[1]: ln for ln in _lines(pytester.path / "r.jsonl")}
+    assert sorted(lines) == sorted([f"test_grid[{t}-ep{i}]" for t in ("t1", "t2") for i in range(3)]
+                                   + ["test_skips[ep0]", "test_skips[ep1]", "test_plain"])
+    for t in ("t1", "t2"):
+        for i in range(3):
+            ln = lines[f"test_grid[{t}-ep{i}]"]
+            assert (ln["case"], ln["episode"], ln["seed"]) == (t, i, episode_seed(5, i))
+            assert ln["info"] == {"task": t, "seed": episode_seed(5, i)} and ln["reward"] == i / 2
+    assert lines["test_grid[t2-ep2]"]["outcome"] == "failed"
+    assert lines["test_grid[t2-ep2]"]["message"].startswith("AssertionError: assert")
+    assert lines["test_skips[ep1]"]["outcome"] == "skipped" and lines["test_skips[ep1]"]["message"] == "not this one"
+    assert lines["test_skips[ep0]"]["vms"] == [] and lines["test_skips[ep0]"]["seed"] == episode_seed(0, 0)
+    plain = lines["test_plain"]
+    assert (plain["episode"], plain["episodes"], plain["seed"], plain["reward"]) == (None, None, None, None)
+    row = _table_row(result.stdout.str(), "test_episodes_grid_ids_seeds_and_outcomes.py::test_grid")
+    # pass@1: t1 3/3, t2 2/3 -> 0.833; pass@3: both tasks have a pass -> 1.0; rewards 0, .5, 1 twice.
+    assert row == ["2", "6", "5", "0.833", "1.000", "3", "0.500", "0.183", "0.000", "1.000"]
+    skips = _table_row(result.stdout.str(), "test_episodes_grid_ids_seeds_and_outcomes.py::test_skips")
+    assert skips == ["1", "2", "0", "-", "-", "0", "-", "-", "-"]
+
+
+def test_collection_is_identical_on_every_worker(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # xdist refuses to run when workers collect different ids; seeds must agree as well.
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol_episodes(8, seed=123)
+        def test_seed(smol_episode, worker_id):
+            smol_episode.record(0.0, worker=worker_id)
+    """)
+    collected = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:randomly")
+    ids = [line for line in collected.stdout.lines if "::test_seed[" in line]
+    assert ids == [f"test_collection_is_identical_on_every_worker.py::test_seed[ep{i}]" for i in range(8)]
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-results=r.jsonl", "-p", "no:randomly")
+    result.assert_outcomes(passed=8)
+    lines = _lines(pytester.path / "r.jsonl")
+    assert {ln["info"]["worker"] for ln in lines} == {"gw0", "gw1"}
+    assert sorted((ln["episode"], ln["seed"]) for ln in lines) == [(i, episode_seed(123, i)) for i in range(8)]
+
+
+def test_killed_worker_leaves_the_other_lines_intact(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import os
+        import time
+
+        import pytest
+
+        @pytest.mark.smol_episodes(6)
+        def test_episode(smol_vm, smol_episode):
+            smol_vm.exec("echo working > /tmp/progress", check=True)
+            if smol_episode.index == 3:
+                os.kill(os.getpid(), 9)  # the worker dies mid-test, guest and all
+            smol_episode.record(1.0)
+    """)
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-results=r.jsonl", "-p", "no:randomly")
+    result.assert_outcomes(passed=5, failed=1)
+    lines = _lines(pytester.path / "r.jsonl")
+    assert len(lines) == 6
+    by_episode = {ln["episode"]: ln for ln in lines}
+    assert sorted(by_episode) == list(range(6))
+    crashed = by_episode.pop(3)
+    assert crashed["outcome"] == "error" and crashed["crashed"] is True and "crashed" in crashed["message"]
+    assert all(ln["outcome"] == "passed" and ln["reward"] == 1.0 for ln in by_episode.values())
+    row = _table_row(result.stdout.str(), "test_killed_worker_leaves_the_other_lines_intact.py::test_episode")
+    assert row[:6] == ["1", "6", "5", "0.833", "1.000", "6"]
+
+
+def test_quiet_summary_is_one_line_per_test(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol_episodes(2)
+        def test_q(smol_episode):
+            smol_episode.record(1)
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["test_quiet_summary_is_one_line_per_test.py::test_q: 2 episodes (1 tasks), "
+                                 "2 passed, pass@1 1.000, pass@2 1.000, reward 1.000 ± 0.000"])
+    assert "reward (mean ± se)" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(("marker", "message"), [
+    ("smol_episodes(0)", "test_bad.py::test_x: @pytest.mark.smol_episodes(n=0): n must be a positive integer"),
+    ("smol_episodes('3')", "*@pytest.mark.smol_episodes(n='3'): n must be a positive integer"),
+    ("smol_episodes(True)", "*@pytest.mark.smol_episodes(n=True): n must be a positive integer"),
+    ("smol_episodes(2, seed=1.5)", "*@pytest.mark.smol_episodes(seed=1.5): seed must be an integer"),
+    ("smol_episodes()", "*@pytest.mark.smol_episodes needs the number of episodes: smol_episodes(n, seed=0)"),
+    ("smol_episodes(2, 3, 4)", "*@pytest.mark.smol_episodes takes (n, seed=0), got args=(2, 3, 4)*"),
+])
+def test_bad_marker_is_a_one_line_collection_error(pytester: pytest.Pytester, smol_state: Path, marker: str,
+                                                   message: str) -> None:
+    pytester.makepyfile(test_bad=f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_x():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([message])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_bad_reward_fails_the_test_with_a_clear_message(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("bad", ["'1.0'", "float('nan')", "float('inf')", "True", "None"])
+        def test_reward(smol_episode, bad):
+            smol_episode.record(eval(bad))
+
+        def test_info(smol_episode):
+            smol_episode.record(1.0, blob=object())
+
+        def test_last_call_wins(smol_episode):
+            smol_episode.record(0.5, a=1)
+            smol_episode.record(0.25, b=2)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-results=r.jsonl")
+    result.assert_outcomes(failed=6, passed=1)
+    result.stdout.fnmatch_lines([
+        "*TypeError: smol_episode.record(reward='1.0'): expected a finite number, got str",
+        "*ValueError: smol_episode.record(reward=nan): expected a finite number",
+        "*ValueError: smol_episode.record(reward=inf): expected a finite number",
+        "*TypeError: smol_episode.record(reward=True): expected a finite number, got bool",
+        "*TypeError: smol_episode.record(reward=None): expected a finite number, got NoneType",
+        "*TypeError: smol_episode.record(**info): info must be JSON-serialisable*",
+    ])
+    last = [ln for ln in _lines(pytester.path / "r.jsonl") if ln["test"].endswith("test_last_call_wins")]
+    assert (last[0]["reward"], last[0]["info"]) == (0.25, {"b": 2})
+
+
+def test_unwritable_results_path_is_a_usage_error(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("def test_x(): pass\n")
+    pytester.path.joinpath("blocker").write_text("a file, not a dir")
+    result = pytester.runpytest_subprocess("--smol-results=blocker/r.jsonl")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert re.search(r"--smol-results=\S*blocker/r.jsonl: cannot create it", result.stderr.str())

@@ -1,0 +1,171 @@
+"""A failed test's guest logs and transcript reach every sink: terminal, JUnit XML, pytest-html,
+allure, and the --smol-artifacts dir (with the files pytest_smolvm_collect_artifacts names)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.artifacts import artifact_dirname, cap_text
+
+FAILING = """
+    def test_fail(smol_vm):
+        smol_vm.exec("mkdir -p /workspace/out && echo 'partial answer' > /workspace/out/answer.txt")
+        smol_vm.exec("echo transcript-marker-7f3a; echo on-stderr >&2; exit 3")
+        assert False, "reward was 0"
+
+    def test_pass(smol_vm):
+        smol_vm.exec("echo passing-marker-91c2")
+"""
+CONFTEST = """
+    def pytest_smolvm_collect_artifacts(item, vm):
+        return ["/workspace/out", "/does/not/exist"]
+"""
+FAIL_DIR = "test_*.py_test_fail"
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def test_unit_cap_text_and_dirnames() -> None:
+    assert cap_text("short", 100) == "short"
+    capped = cap_text("a" * 50 + "b" * 1000, 100, "/x/transcript.txt")
+    assert "[... pytest-smolvm: 950 characters cut here; full text in /x/transcript.txt ...]" in capped
+    assert capped.startswith("a" * 25) and capped.endswith("b" * 75)
+    assert artifact_dirname("tests/test_a.py::test_x[task-ep0]") == "tests_test_a.py_test_x_task-ep0"
+    long = artifact_dirname("t.py::test[" + "x" * 300 + "]")
+    assert len(long) == 113 and long != artifact_dirname("t.py::test[" + "x" * 299 + "y]")
+
+
+def test_failed_test_transcript_in_every_sink(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(FAILING)
+    pytester.makeconftest(CONFTEST)
+    args = ["-p", "no:randomly", "--junitxml=junit.xml", "--smol-artifacts=art"]
+    if _has_module("pytest_html"):
+        args += ["--html=report.html", "--self-contained-html"]
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(failed=1, passed=1)
+    out = result.stdout.str()
+
+    # Terminal: a section under the failure, ending with where the files are.
+    result.stdout.fnmatch_lines([
+        "*- smolvm guest smol-*-main-1 -*",
+        "$ echo transcript-marker-7f3a; echo on-stderr >&2; exit 3    [[]exit 3, *s[]]",
+        "  --- stdout (tail)",
+        "  transcript-marker-7f3a",
+        "  --- stderr (tail)",
+        "  on-stderr",
+        "[[]*ATTACHMENT|*/art/test_failed_test_transcript_in_every_sink.py_test_fail/transcript.txt[]]*",
+    ])
+    assert "passing-marker-91c2" not in out  # passing tests stay quiet by default
+
+    # JUnit: in the <failure> body, whatever junit_logging says (default "no").
+    tree = ET.parse(pytester.path / "junit.xml")
+    failure = tree.find(".//testcase[@name='test_fail']/failure")
+    assert failure is not None and failure.text is not None
+    assert "transcript-marker-7f3a" in failure.text and "[[ATTACHMENT|" in failure.text
+    assert "passing-marker-91c2" not in (pytester.path / "junit.xml").read_text()
+
+    # Artifacts: transcript, guest logs, the hook's files, and a note for what could not be copied.
+    (test_dir,) = (pytester.path / "art").glob(FAIL_DIR)
+    assert sorted(p.name for p in test_dir.iterdir()) == ["files", "guest-logs.txt", "notes.txt", "transcript.txt"]
+    transcript = (test_dir / "transcript.txt").read_text()
+    assert "transcript-marker-7f3a" in transcript and "=== guest smol-" in transcript
+    assert (test_dir / "files" / "workspace" / "out" / "answer.txt").read_text() == "partial answer\n"
+    assert "/does/not/exist: not copied" in (test_dir / "notes.txt").read_text()
+    assert [p.name for p in (pytester.path / "art").iterdir()] == [test_dir.name]  # not for the passing test
+
+    if _has_module("pytest_html"):
+        html = (pytester.path / "report.html").read_text()
+        encoded = re.findall(r"data:text/plain;charset=utf-8;base64,([A-Za-z0-9+/=]+)", html)
+        blobs = [base64.b64decode(blob).decode() for blob in encoded]
+        assert any("transcript-marker-7f3a" in b for b in blobs), "no smolvm extra in the HTML report"
+
+
+def test_logs_always_covers_passing_tests(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(FAILING)
+    pytester.makeini("[pytest]\nsmol_logs = always\njunit_logging = log\n")
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-rP", "--junitxml=junit.xml",
+                                           "--smol-artifacts=art")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*- Captured log smolvm guest smol-*-main-2 call -*", "  passing-marker-91c2"])
+    tree = ET.parse(pytester.path / "junit.xml")
+    system_out = tree.find(".//testcase[@name='test_pass']/system-out")
+    assert system_out is not None and "passing-marker-91c2" in (system_out.text or "")
+    assert len(list((pytester.path / "art").iterdir())) == 2
+
+
+def test_bad_logs_value_is_a_usage_error(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("def test_x(): pass\n")
+    result = pytester.runpytest_subprocess("--smol-logs=sometimes")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --smol-logs=sometimes: choose one of failed, always"])
+
+
+def test_teardown_failure_after_a_clean_call_gets_the_transcript(pytester: pytest.Pytester,
+                                                                  smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.fixture
+        def checked(smol_vm):
+            yield smol_vm
+            smol_vm.exec("echo checking-after-test-5d1e")
+            raise RuntimeError("post-test check failed")
+
+        def test_ok(checked):
+            checked.exec("echo in-test")
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-artifacts=art", "--junitxml=j.xml")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*- smolvm guest smol-*-main-1 -*", "$ echo checking-after-test-5d1e*"])
+    (test_dir,) = (pytester.path / "art").iterdir()
+    assert "checking-after-test-5d1e" in (test_dir / "transcript.txt").read_text()
+    assert "checking-after-test-5d1e" in (pytester.path / "j.xml").read_text()
+
+
+def test_size_caps_leave_a_visible_marker(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeconftest("""
+        import pytest_smolvm.artifacts as artifacts
+
+        artifacts.SECTION_LIMIT = 3000
+        artifacts.FILES_BUDGET = 10_000
+
+        def pytest_smolvm_collect_artifacts(item, vm):
+            return ["/small", "/big"]
+    """)
+    pytester.makepyfile("""
+        def test_big(smol_vm):
+            smol_vm.exec("head -c 2000 /dev/zero > /small; head -c 50000 /dev/zero > /big")
+            for i in range(10):
+                smol_vm.exec(f"echo command-{i}; head -c 1500 /dev/zero | tr '\\\\0' x")
+            assert False
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-artifacts=art")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]... pytest-smolvm: * characters cut here; full text in *transcript.txt ...[]]*"])
+    (test_dir,) = (pytester.path / "art").iterdir()
+    assert "command-0" in (test_dir / "transcript.txt").read_text()  # the file has it all
+    assert (test_dir / "files" / "small").stat().st_size == 2000
+    assert not (test_dir / "files" / "big").exists()
+    assert "/big: dropped: 50000 bytes exceed" in (test_dir / "notes.txt").read_text()
+
+
+@pytest.mark.skipif(not _has_module("allure_pytest"), reason="allure-pytest is not installed")
+def test_allure_gets_an_attachment(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(FAILING)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--alluredir=allure")
+    result.assert_outcomes(failed=1, passed=1)
+    results = [json.loads(p.read_text()) for p in (pytester.path / "allure").glob("*-result.json")]
+    (failed,) = [r for r in results if r["name"] == "test_fail"]
+    names = {a["name"]: a["source"] for a in failed.get("attachments", [])}
+    sources = [src for name, src in names.items() if name.startswith("smolvm guest smol-")]
+    assert sources, failed
+    assert "transcript-marker-7f3a" in (pytester.path / "allure" / sources[0]).read_text()
