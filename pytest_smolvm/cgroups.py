@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ def detect() -> Limits:
             return Limits("v2", usable)
         return Limits("v2", reason="cpu/memory/pids are not delegated to this process's cgroup")
     return Limits("none", reason="no cgroup hierarchy with cpu, memory or pids controllers")
+
+
+def state_tag(state: os.PathLike[str] | str) -> str:
+    """A short tag of the state dir in every guest cgroup's name: whose guest a cgroup is."""
+    return hashlib.sha256(os.fsencode(state)).hexdigest()[:8]
 
 
 def _write(path: str, value: str) -> None:

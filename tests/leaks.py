@@ -6,6 +6,8 @@ import os
 import time
 from pathlib import Path
 
+from pytest_smolvm.cgroups import state_tag
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -26,15 +28,17 @@ def guest_processes(state_dir: Path) -> list[str]:
     return found
 
 
-def guest_cgroups() -> list[str]:
+def guest_cgroups(state_dir: Path) -> list[str]:
+    """Cgroups of guests made for ``state_dir`` (their names carry its tag)."""
     if not CGROUP_ROOT.is_dir():
         return []
+    pattern = f"smolvm-{state_tag(state_dir)}-*"
     found = []
     for controller in CGROUP_ROOT.iterdir():
         if not controller.is_dir():
             continue
         try:
-            found += [str(p) for p in controller.rglob("smolvm-smol-*") if p.is_dir()]
+            found += [str(p) for p in controller.rglob(pattern) if p.is_dir()]
         except OSError:
             continue
     return found
@@ -52,7 +56,7 @@ def leftovers(state_dir: Path) -> dict[str, list[str]]:
         "registry records": sorted(p.name for p in registry.glob("*")) if registry.is_dir() else [],
         "scratch dirs": sorted(p.name for p in scratch.iterdir()) if scratch.is_dir() else [],
         "processes": guest_processes(state_dir),
-        "cgroups": guest_cgroups(),
+        "cgroups": guest_cgroups(state_dir),
         "mounts": overlay_mounts(),
     }
     return {k: v for k, v in found.items() if v}

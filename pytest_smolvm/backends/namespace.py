@@ -468,7 +468,8 @@ class NamespaceBackend:
         scratch.mkdir(parents=True, exist_ok=False)
         cgroup_dirs: list[str] = []
         try:
-            cgroup_dirs = cgroups.create(self.limits, spec.name, cpus=spec.cpus, memory_mb=spec.memory_mb)
+            cgroup_dirs = cgroups.create(self.limits, f"{cgroups.state_tag(state_dir())}-{spec.name}",
+                                         cpus=spec.cpus, memory_mb=spec.memory_mb)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
                 "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb, "network": spec.network,
