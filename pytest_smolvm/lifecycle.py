@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
+from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
 
 DESTROY_ATTEMPTS = 2
 PROVISION_ATTEMPTS = 3
@@ -57,22 +58,6 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-@dataclass(frozen=True)
-class BaselineSetup:
-    """What turns a baseline into a warm one: the prepare hook, then setup commands."""
-
-    run_hook: Callable[[VM], None] | None = None
-    commands: tuple[str, ...] = ()
-    identity: str = ""  # changes whenever the hook's source or the commands change
-
-    def __bool__(self) -> bool:
-        return self.run_hook is not None or bool(self.commands)
-
-
-class BaselineSetupError(ProvisionError):
-    """The warm baseline's setup failed; every test that needs it fails with this, once."""
 
 
 class SmolVMWarning(UserWarning):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import signal
 import uuid
@@ -15,17 +13,17 @@ import pytest
 
 from pytest_smolvm import artifacts, episodes, hookspecs, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.lifecycle import BaselineSetup, BaselineSetupError, LiveGuest, SmolSession
+from pytest_smolvm.lifecycle import LiveGuest, SmolSession
 from pytest_smolvm.registry import records
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 from pytest_smolvm.vm import VM
+from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
 
 SESSION_KEY = pytest.StashKey[SmolSession]()
 GUESTS_KEY = pytest.StashKey[list[LiveGuest]]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
-SETUP_KEY = pytest.StashKey[BaselineSetup]()
 RUN_ID_INPUT = "smolvm_run_id"
 SHARED_INPUT = "smolvm_shared_state"
 
@@ -165,16 +163,16 @@ def smol_vm_factory(request: pytest.FixtureRequest,
     """Make guests on demand: ``smol_vm_factory(**marker_keywords)``; all destroyed at teardown."""
     item = request.node
     session = request.config.stash[SESSION_KEY]
-    setup = _baseline_setup(request.config, smol_baseline_setup)
-    made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
     try:
+        setup: BaselineSetup | None = BaselineSetup.from_config(request.config, smol_baseline_setup)
         base_spec: MarkerSpec | None = marker_spec(item)
         problem = ""
     except UsageError as exc:
-        base_spec, problem = None, str(exc)
-    if base_spec is None:
+        setup, base_spec, problem = None, None, str(exc)
+    if setup is None or base_spec is None:
         _fail_setup(problem)  # outside the except block: no chained traceback in the report
     assert base_spec is not None
+    made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
 
     def make(**keywords: Any) -> VM:
         try:
@@ -224,31 +222,6 @@ def smol_baseline_setup() -> Sequence[str]:
     ``pytest_smolvm_prepare_baseline`` hook is the same thing for code that needs the VM handle.
     """
     return ()
-
-
-def _baseline_setup(config: pytest.Config, commands: Sequence[str]) -> BaselineSetup:
-    """The session's warm-baseline setup, keyed by the hook implementations' source and the commands."""
-    if isinstance(commands, str) or not all(isinstance(c, str) for c in commands):
-        _fail_setup(f"smol_baseline_setup must return a list of shell commands, got {commands!r}")
-    cached = config.stash.get(SETUP_KEY, None)
-    if cached is not None and cached.commands == tuple(commands):
-        return cached
-    impls = config.hook.pytest_smolvm_prepare_baseline.get_hookimpls()
-    identity = hashlib.sha256()
-    for impl in impls:
-        try:
-            identity.update(inspect.getsource(impl.function).encode())
-        except (OSError, TypeError):
-            identity.update(impl.function.__qualname__.encode())
-    for command in commands:
-        identity.update(b"\0" + command.encode())
-
-    def run_hook(vm: VM) -> None:
-        config.hook.pytest_smolvm_prepare_baseline(vm=vm, config=config)
-
-    setup = BaselineSetup(run_hook if impls else None, tuple(commands), identity.hexdigest())
-    config.stash[SETUP_KEY] = setup
-    return setup
 
 
 @pytest.fixture

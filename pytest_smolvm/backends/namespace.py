@@ -301,6 +301,14 @@ class NamespaceGuest:
             raise errors[0]
 
     def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+        self._stream_out({"op": "get_archive", "path": guest_path, "arcname": arcname}, consume)
+
+    def export_root(self, consume: Callable[[IO[bytes]], None]) -> None:
+        """Stream the guest's root filesystem (mounts excluded) as a tar to ``consume``."""
+        self._stream_out({"op": "export_root", "path": "/"}, consume)
+
+    def _stream_out(self, message: dict[str, Any], consume: Callable[[IO[bytes]], None]) -> None:
+        """Run a file op whose stdout is a stream, and hand that stream to ``consume`` in a thread."""
         read_fd, write_fd = os.pipe()
         errors: list[BaseException] = []
 
@@ -321,35 +329,7 @@ class NamespaceGuest:
             out.write(data)
 
         try:
-            self._file_op({"op": "get_archive", "path": guest_path, "arcname": arcname},
-                          stdout_sink=forward)
-        finally:
-            out.close()
-            consumer.join()
-        if errors:
-            raise errors[0]
-
-    def export_root(self, consume: Callable[[IO[bytes]], None]) -> None:
-        """Stream the guest's root filesystem (mounts excluded) as a tar to ``consume``."""
-        read_fd, write_fd = os.pipe()
-        errors: list[BaseException] = []
-
-        def run_consumer() -> None:
-            try:
-                with os.fdopen(read_fd, "rb") as source:
-                    consume(source)
-            except BaseException as exc:  # re-raised in the caller's thread
-                errors.append(exc)
-
-        consumer = threading.Thread(target=run_consumer, daemon=True)
-        consumer.start()
-        out = os.fdopen(write_fd, "wb")
-
-        def forward(data: bytes) -> None:
-            out.write(data)
-
-        try:
-            self._file_op({"op": "export_root", "path": "/"}, stdout_sink=forward)
+            self._file_op(message, stdout_sink=forward)
         finally:
             out.close()
             consumer.join()
