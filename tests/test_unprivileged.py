@@ -1,0 +1,66 @@
+"""The plugin as a normal user: guests in a user namespace, same guarantees."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.leaks import assert_host_clean
+
+NOBODY = 65534
+
+
+def _userns_allowed() -> bool:
+    try:
+        return int(Path("/proc/sys/user/max_user_namespaces").read_text()) > 0 and Path(
+            "/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() != "0"
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user for the test")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
+@pytest.mark.skipif(not _userns_allowed(), reason="unprivileged user namespaces are disabled on this host")
+def test_a_normal_user_gets_isolated_guests(shared_cache: Path) -> None:
+    home = Path(tempfile.mkdtemp(prefix="smolvm-nobody-"))
+    try:
+        home.chmod(0o755)
+        (home / "test_user.py").write_text('''
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_guest(smol_vm, i, tmp_path):
+    assert smol_vm.exec("id -u").stdout == "0\\n"          # root inside its own user namespace
+    assert smol_vm.exec("ls /workspace").stdout == ""     # nothing from another test
+    smol_vm.write_file("/workspace/mine", str(i))
+    smol_vm.copy_in(__file__, "/workspace/copied.py")
+    assert smol_vm.exec("test -x /bin/sh && test -e /workspace/copied.py").exit_code == 0
+    smol_vm.copy_out("/workspace", tmp_path / "out")
+    assert (tmp_path / "out" / "mine").read_text() == str(i)
+''')
+        for sub in ("state", "cache", "tmp"):
+            (home / sub).mkdir()
+        os.chown(home, NOBODY, NOBODY)
+        for path in home.rglob("*"):
+            os.chown(path, NOBODY, NOBODY)
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
+               "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
+               "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
+        result = subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+             "-p", "no:cacheprovider", "--smol-backend=namespace", "-n", "2", str(home / "test_user.py")],
+            cwd=home, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "4 passed" in result.stdout
+        assert "guests run in a user namespace (unprivileged)" in result.stdout
+        assert_host_clean(home / "state")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
