@@ -7,8 +7,10 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from importlib.util import find_spec
 
 from pytest_smolvm import registry
+from pytest_smolvm.backends import backend_class
 from pytest_smolvm.lifecycle import reap_orphans
 
 
@@ -28,11 +30,14 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _reap(args: argparse.Namespace) -> int:
     names = dict.fromkeys(args.names) if args.names else None
-    if args.names and not args.kept:
-        # Naming a guest is asking for it: a kept guest named explicitly goes too.
-        report = reap_orphans(include_kept=True, names=names)
-    else:
-        report = reap_orphans(include_kept=args.kept, names=names)
+    # Naming a guest is asking for it: a kept guest named explicitly goes too.
+    report = reap_orphans(include_kept=args.kept or names is not None, names=names)
+    if names is None and find_spec("smol") is not None:
+        # smol baseline machines are not in the registry: they are found by label.
+        try:
+            report.removed += backend_class("smol").reap_unrecorded()
+        except Exception as exc:  # an unusable engine must not hide the registry's result
+            report.failed.append(("smol machines", f"{type(exc).__name__}: {exc}"))
     for name in report.removed:
         print(f"removed {name}")
     for name, why in report.failed:

@@ -12,6 +12,13 @@ import pytest
 from tests.leaks import assert_host_clean
 
 pytest_plugins = ["pytester"]
+TEST_TIMEOUT = 300  # seconds: a hung scenario fails instead of stalling CI
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
 
 
 @pytest.fixture(scope="session")
