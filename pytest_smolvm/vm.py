@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -152,11 +154,19 @@ class VM:
         if not base:
             raise ValueError("copy_in: dest must name a file or directory, not /")
 
-        def produce(out: IO[bytes]) -> None:
-            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(source, arcname=base, recursive=True, filter=_owned_by_guest_root)
+        if source.is_dir() and not source.is_symlink():
+            # A tree is extracted *into* dest ("." carries the tree's own mode onto dest).
+            target_dir, arcname = dest.rstrip("/"), "."
+        else:
+            target_dir, arcname = parent or "/", base
 
-        self._guest.put_archive(parent or "/", produce)
+        def produce(out: IO[bytes]) -> None:
+            if arcname == "." and _host_gnu_tar() and _tar_with_gnu_tar(source, out):
+                return
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(source, arcname=arcname, recursive=True, filter=_owned_by_guest_root)
+
+        self._guest.put_archive(target_dir, produce)
 
     def copy_out(self, src: str, dest: str | os.PathLike[str]) -> Path:
         """Copy a guest file or tree to ``dest`` on the host; returns ``dest``.
@@ -212,6 +222,37 @@ class VM:
         if not self.transcript:
             return "(no commands were run in this guest)"
         return "\n".join(entry.render() for entry in self.transcript)
+
+
+@functools.cache
+def _host_gnu_tar() -> str | None:
+    """The host's GNU tar, if any: ~10x faster than tarfile per member on the trees tests copy."""
+    path = shutil.which("tar")
+    if path is None:
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "GNU tar" in version else None
+
+
+def _tar_with_gnu_tar(source: Path, out: IO[bytes]) -> bool:
+    """Write ``source``'s tree as a tar to ``out`` with GNU tar; False if it could not start."""
+    tar = _host_gnu_tar()
+    assert tar is not None
+    try:
+        out.flush()
+        proc = subprocess.run(
+            [tar, "-c", "-f", "-", "--format=gnu", "--numeric-owner", "--owner=0", "--group=0",
+             "-C", str(source), "."],
+            stdout=out.fileno(), stderr=subprocess.PIPE, check=False)
+    except OSError:
+        return False
+    if proc.returncode != 0:
+        detail = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise GuestError(f"copy_in: tar of {source} failed: {detail[-1] if detail else proc.returncode}")
+    return True
 
 
 def _data_keeping_dir_modes(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:

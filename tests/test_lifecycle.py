@@ -498,3 +498,38 @@ def test_failing_baseline_setup_stops_the_run_once(pytester: pytest.Pytester, sm
     out = result.stdout.str()
     assert "test_never_runs[1]" not in out, out  # one error with the output, not one per test
     result.stdout.fnmatch_lines(["*E: package not found*", "*Interrupted: pytest-smolvm: the baseline setup failed*"])
+
+
+COPY_IN_TREE_TEST = """
+import os, stat
+
+def test_tree(smol_vm, tmp_path):
+    src = tmp_path / "task"
+    (src / "private").mkdir(parents=True)
+    (src / "empty dir").mkdir()
+    (src / "run.sh").write_text("#!/bin/sh\\necho ran\\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "private").chmod(0o700)
+    (src / "ünïcode name.txt").write_bytes(bytes(range(256)))
+    (src / "link").symlink_to("run.sh")
+    os.link(src / "run.sh", src / "hardlink.sh")
+    src.chmod(0o750)
+    smol_vm.copy_in(src, "/workspace/task")
+    smol_vm.copy_in(src / "run.sh", "/workspace/single.sh")
+    r = smol_vm.exec("cd /workspace && stat -c '%a %n' task task/private task/run.sh single.sh && "
+                     "readlink task/link && ls task/'empty dir' && ./task/run.sh && ./single.sh")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == ["750 task", "700 task/private", "755 task/run.sh", "755 single.sh",
+                                     "run.sh", "ran", "ran"]
+    assert smol_vm.read_file("/workspace/task/ünïcode name.txt") == bytes(range(256))
+    assert smol_vm.exec("stat -c %U:%G /workspace/task/run.sh").stdout == "root:root\\n"
+"""
+
+
+@pytest.mark.parametrize("host_tar", ["gnu-tar", "tarfile"])
+def test_copy_in_keeps_trees_on_every_path(pytester: pytest.Pytester, smol_state: Path,
+                                           monkeypatch: pytest.MonkeyPatch, host_tar: str) -> None:
+    if host_tar == "tarfile":  # no tar on the host's PATH: the pure-Python archiver
+        monkeypatch.setenv("PATH", str(pytester.mkdir("empty-bin")))
+    pytester.makepyfile(COPY_IN_TREE_TEST)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)

@@ -152,32 +152,36 @@ class NamespaceGuest:
     def _run(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None,
              output_limit: int, timeout: float | None,
              stdout_sink: Callable[[bytes], None] | None = None) -> GuestExecResult:
-        """Run one guest child with pipes for 0/1/2 and wait for its exit (the caller holds the lock)."""
-        in_r, in_w = os.pipe()
+        """Run one guest child with pipes for 0/1/2 and wait for its exit (the caller holds the lock).
+
+        ``stdin`` as a file with a descriptor (a pipe) goes to the child as is: no copy through
+        this process.
+        """
+        if isinstance(stdin, (bytes, bytearray)) or stdin is None:
+            in_r, in_w = os.pipe()
+            own_in_r = True
+        else:
+            in_r, in_w, own_in_r = stdin.fileno(), -1, False
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        ours = [fd for fd in (in_r if own_in_r else -1, out_w, err_w) if fd >= 0]
         try:
             request_id, pid = self._start(message, (in_r, out_w, err_w))
         except BaseException:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
+            for fd in (*ours, in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
             raise
-        for fd in (in_r, out_w, err_w):
+        for fd in ours:
             os.close(fd)
         stdout = _BoundedBuffer(output_limit)
         stderr = _BoundedBuffer(output_limit)
-        feeder = None
-        if isinstance(stdin, (bytes, bytearray)) or stdin is None:
-            pending = memoryview(bytes(stdin or b""))
+        pending = memoryview(bytes(stdin or b"")) if isinstance(stdin, (bytes, bytearray)) else memoryview(b"")
+        if in_w >= 0:
             os.set_blocking(in_w, False)
             if not pending:
                 os.close(in_w)
                 in_w = -1
-        else:
-            feeder = threading.Thread(target=_feed, args=(stdin, in_w), daemon=True)
-            feeder.start()
-            in_w = -1
-            pending = memoryview(b"")
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
         sinks: dict[int, Callable[[bytes], None]] = {
@@ -230,8 +234,6 @@ class NamespaceGuest:
             for fd in (in_w, out_r, err_r):
                 if fd >= 0:
                     os.close(fd)
-            if feeder is not None:
-                feeder.join(timeout=1)
         return GuestExecResult(124 if timed_out else exit_code, stdout.value(), stderr.value(), timed_out)
 
     @staticmethod
@@ -375,15 +377,6 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
             os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
         except FileNotFoundError:
             pass
-
-
-def _feed(source: IO[bytes], fd: int) -> None:
-    try:
-        with os.fdopen(fd, "wb") as sink:
-            for chunk in iter(lambda: source.read(1 << 16), b""):
-                sink.write(chunk)
-    except BrokenPipeError:
-        pass
 
 
 class NamespaceBackend:
