@@ -27,9 +27,13 @@ def test_agent(smol_vm, smol_episode, task):
     assert run.exit_code == 0, f"the agent crashed: {run.stderr}"  # a broken harness fails the test
 
     # Grade in the same guest, with files the agent never had a chance to touch.
+    # On a Python-capable baseline (build-python-baseline.sh here, python:3.12-slim on smol) the
+    # grader is Python; on the default BusyBox guest it is the shell twin. Same reward either way.
+    interpreter = "python3" if smol_vm.exec("command -v python3").exit_code == 0 else "/bin/sh"
+    grader = "reward.py" if interpreter == "python3" else "reward.sh"
     smol_vm.copy_in(task_dir / "expected.txt", "/grader/expected.txt")
-    smol_vm.copy_in(HERE / "reward.sh", "/grader/reward.sh")
-    graded = smol_vm.exec(["/bin/sh", "/grader/reward.sh", "/grader/expected.txt", "/workspace/answer.txt"],
+    smol_vm.copy_in(HERE / grader, f"/grader/{grader}")
+    graded = smol_vm.exec([interpreter, f"/grader/{grader}", "/grader/expected.txt", "/workspace/answer.txt"],
                           check=True)
     reward = float(graded.stdout)
     # How well the agent did is the reward (it varies with the seed); the test itself passes.
