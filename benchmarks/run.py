@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from pytest_smolvm.baseline import force_rmtree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -79,15 +80,6 @@ def wall(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float
     started = time.perf_counter()
     run_checked(argv, env, cwd)
     return time.perf_counter() - started
-
-
-def force_rmtree(path: Path) -> None:
-    def make_writable(func: Any, failed: str, _exc: Any) -> None:
-        os.chmod(os.path.dirname(failed), 0o700)
-        func(failed)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=make_writable)
 
 
 # ------------------------------------------------------------------------------ in-process helpers

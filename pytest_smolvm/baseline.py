@@ -20,7 +20,7 @@ import shutil
 import stat
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -57,7 +57,6 @@ class Rootfs:
     path: Path
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
-    prepared_by: str = ""  # "this process (1.2 s)" or "already cached"
 
 
 def bundled_rootfs_tarball() -> Path:
@@ -170,7 +169,7 @@ def unpack(baseline: Baseline) -> Rootfs:
     """The baseline as a rootfs tree, unpacked at most once per host per digest."""
     assert baseline.path is not None
     if baseline.kind == "rootfs-dir":
-        return Rootfs(baseline.path, prepared_by="used in place")
+        return Rootfs(baseline.path)
     if baseline.kind not in ("bundled", "rootfs-tar", "image-archive"):
         raise UsageError(f"--smol-baseline={baseline.reference}: a {baseline.kind} baseline needs the smol backend")
     store = cache_dir() / "baselines"
@@ -179,7 +178,7 @@ def unpack(baseline: Baseline) -> Rootfs:
     final = store / key
     with FileLock(str(store / f"{key}.lock")):
         if (final / "image.json").is_file():
-            return _load_rootfs(final, "already cached")
+            return _load_rootfs(final)
         started = time.monotonic()
         staging = store / f".unpack-{key}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -196,11 +195,11 @@ def unpack(baseline: Baseline) -> Rootfs:
                 "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/"}))
             os.replace(staging, final)
         except BaseException:
-            _force_rmtree(staging)
+            force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, baseline, elapsed)
-        return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
+        return _load_rootfs(final)
 
 
 def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None]) -> Rootfs:
@@ -214,10 +213,10 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
     final = store / f"warm-{key[:32]}"
     with FileLock(str(store / f"warm-{key[:32]}.lock")):
         if (final / "image.json").is_file():
-            return _load_rootfs(final, "already cached")
+            return _load_rootfs(final)
         started = time.monotonic()
         staging = store / f".warm-{key[:32]}-{os.getpid()}"
-        _force_rmtree(staging)
+        force_rmtree(staging)
         try:
             (staging / "rootfs").mkdir(parents=True)
             capture(staging / "rootfs")
@@ -226,12 +225,12 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
                 "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir}))
             os.replace(staging, final)
         except BaseException:
-            _force_rmtree(staging)
+            force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
                          elapsed)
-        return _load_rootfs(final, f"pid {os.getpid()} in {elapsed:.2f}s")
+        return _load_rootfs(final)
 
 
 PREPARATIONS = "preparations.jsonl"
@@ -263,13 +262,13 @@ def preparations(digest: str) -> list[dict[str, Any]]:
     return found
 
 
-def _load_rootfs(final: Path, prepared_by: str) -> Rootfs:
+def _load_rootfs(final: Path) -> Rootfs:
     meta = json.loads((final / "image.json").read_text())
     env = dict(item.split("=", 1) for item in meta["env"] if "=" in item)
-    return Rootfs(final / "rootfs", env, meta["workdir"], prepared_by)
+    return Rootfs(final / "rootfs", env, meta["workdir"])
 
 
-def _force_rmtree(path: Path) -> None:
+def force_rmtree(path: Path) -> None:
     def make_writable(func: Any, failed: str, _exc: Any) -> None:
         os.chmod(os.path.dirname(failed), 0o700)
         func(failed)
@@ -421,7 +420,7 @@ def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool) -> None:
 
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        _force_rmtree(Path(path))
+        force_rmtree(Path(path))
     elif os.path.lexists(path):
         os.unlink(path)
 
@@ -433,9 +432,3 @@ def _clear_dir(path: str, keep: set[str]) -> None:
         full = os.path.join(path, entry)
         if full not in keep:
             _remove(full)
-
-
-def iter_baselines() -> Iterator[Path]:
-    store = cache_dir() / "baselines"
-    if store.is_dir():
-        yield from (p for p in store.iterdir() if (p / "image.json").is_file())

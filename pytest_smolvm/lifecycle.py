@@ -96,7 +96,6 @@ class SmolSession:
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
         self.live: dict[str, LiveGuest] = {}
-        self.kept: list[registry.Record] = []
 
     # ------------------------------------------------------------------ backend and baselines
 
@@ -224,7 +223,6 @@ class SmolSession:
         live.kept = True
         live.record.kept = True
         live.record.save()
-        self.kept.append(live.record)
         self.live.pop(live.vm.name, None)
 
     def destroy(self, live: LiveGuest) -> bool:
