@@ -174,7 +174,7 @@ def tree_digest(root: Path) -> str:
 # --------------------------------------------------------------------------- unpacking
 
 
-def unpack(baseline: Baseline) -> Rootfs:
+def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     """The baseline as a rootfs tree, unpacked at most once per host per digest."""
     assert baseline.path is not None
     if baseline.kind == "rootfs-dir":
@@ -209,11 +209,12 @@ def unpack(baseline: Baseline) -> Rootfs:
             force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
-        _log_preparation(store, baseline, elapsed)
+        _log_preparation(store, baseline, elapsed, by)
         return _load_rootfs(final)
 
 
-def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None]) -> Rootfs:
+def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None], *,
+                    by: str = "main") -> Rootfs:
     """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
 
     Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
@@ -242,17 +243,17 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
-                         elapsed)
+                         elapsed, by)
         return _load_rootfs(final)
 
 
 PREPARATIONS = "preparations.jsonl"
 
 
-def _log_preparation(store: Path, baseline: Baseline, seconds: float) -> None:
+def _log_preparation(store: Path, baseline: Baseline, seconds: float, by: str) -> None:
     """One line per unpack ever done on this host: who did it and how long it took."""
     line = json.dumps({"digest": baseline.digest, "reference": baseline.reference, "pid": os.getpid(),
-                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "seconds": round(seconds, 3),
+                       "worker": by, "seconds": round(seconds, 3),
                        "at": time.time()}) + "\n"
     with open(store / PREPARATIONS, "a") as f:
         f.write(line)

@@ -50,7 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
         run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
                       service_address=workerinput[SERVICE_INPUT])
     else:
-        run = SmolRun(settings)
+        distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
+        run = SmolRun(settings, worker="controller" if distributed else "main")
     config.stash[RUN_KEY] = run
     config.stash[PROBLEMS_KEY] = []
     counter = GuestTestCounter()

@@ -425,7 +425,7 @@ class NamespaceBackend:
 
     def rootfs(self, baseline: Baseline) -> Rootfs:
         if baseline.digest not in self._rootfs:
-            self._rootfs[baseline.digest] = unpack(baseline)
+            self._rootfs[baseline.digest] = unpack(baseline, by=self.options.labels.get("worker", "main"))
         return self._rootfs[baseline.digest]
 
     def _helper(self) -> Zygote:
@@ -473,7 +473,7 @@ class NamespaceBackend:
                 assert isinstance(guest, NamespaceGuest)
                 guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
 
-        warm = prepare_derived(key, baseline, rootfs, capture)
+        warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")
         self._rootfs[derived.digest] = warm
         return derived
