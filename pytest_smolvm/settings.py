@@ -19,7 +19,10 @@ BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
-MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "relax")
+# Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
+# "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
+RELAX_CHOICES = ("seccomp", "limits")
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
@@ -149,6 +152,7 @@ class MarkerSpec:
     allow_hosts: tuple[str, ...] = ()
     timeout: float | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    relax: tuple[str, ...] = ()
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
         """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
@@ -181,6 +185,14 @@ class MarkerSpec:
                 if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
                     raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
                 changes[key] = tuple(value)
+            elif key == "relax":
+                if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                    raise UsageError(f"{where}(relax={value!r}): expected a list of {', '.join(RELAX_CHOICES)}")
+                unknown_parts = sorted(set(value) - set(RELAX_CHOICES))
+                if unknown_parts:
+                    raise UsageError(f"{where}(relax=...): unknown part {unknown_parts[0]!r} "
+                                     f"(choose from {', '.join(RELAX_CHOICES)})")
+                changes[key] = tuple(value)
             elif key == "env":
                 if not isinstance(value, Mapping) or not all(
                         isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -200,6 +212,7 @@ def marker_spec(item: pytest.Item) -> MarkerSpec:
 
 
 MARKERS = (
-    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}): "
-    "guest settings for this test's smol_vm (pytest-smolvm)",
+    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
+    "relax=[]): guest settings for this test's smol_vm; relax turns off parts of a namespace guest's "
+    "confinement: seccomp, limits (pytest-smolvm)",
 )

@@ -7,6 +7,7 @@ per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -21,15 +22,22 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from pytest_smolvm import cgroups
+from pytest_smolvm import cgroups, seccomp
 from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import process_start_time, wait_gone
+from pytest_smolvm.vm import DEFAULT_READ_LIMIT
 
 GUEST_HELPER = Path(__file__).with_name("_nsguest.py")
+# The helper's source comes on stdin: its argv (every guest reads it as /proc/1/cmdline) and
+# its environment (the guest cannot read it: the helper is not dumpable) carry no host path.
+HELPER_ARGV0 = "pytest-smolvm-nsguest"
+HELPER_BOOT = "import sys;exec(compile(sys.stdin.buffer.read(),'_nsguest.py','exec'))"
+HELPER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+FILE_OP_TIMEOUT = 900.0  # seconds for one file operation in the guest (a FIFO, a stalled helper)
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -59,12 +67,16 @@ class Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The state dir in argv names whose helper (and whose guests' inits) a process is.
+        # The state dir's tag in argv names whose helper (and whose guests' inits) a process is.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(GUEST_HELPER), str(theirs.fileno()), str(state_dir())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+            [HELPER_ARGV0, "-I", "-S", "-c", HELPER_BOOT, GUEST_HELPER.name, str(theirs.fileno()),
+             cgroups.state_tag(state_dir())],
+            executable=sys.executable, env=HELPER_ENV, pass_fds=[theirs.fileno()], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
+        assert self._proc.stdin is not None
+        with self._proc.stdin:
+            self._proc.stdin.write(GUEST_HELPER.read_bytes())
         self._sock = ours
         self._lock = threading.Lock()
         self._next_id = 0
@@ -260,13 +272,17 @@ class NamespaceGuest:
         message = {"op": "exec", "argv": list(argv), "env": {**self._env, **env},
                    "cwd": workdir or self._workdir}
         with self._lock:
-            return self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout)
+            ooms = cgroups.oom_kills(self.cgroup_dirs)
+            result = self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout)
+            return _noting_oom(result, cgroups.oom_kills(self.cgroup_dirs) - ooms)
 
     def _file_op(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None = None,
-                 stdout_sink: Callable[[bytes], None] | None = None) -> None:
+                 stdout_sink: Callable[[bytes], None] | None = None, timeout: float = FILE_OP_TIMEOUT) -> None:
         with self._lock:
-            result = self._run(message, stdin=stdin, output_limit=1 << 16, timeout=None,
+            result = self._run(message, stdin=stdin, output_limit=1 << 16, timeout=timeout,
                                stdout_sink=stdout_sink)
+        if result.timed_out:
+            raise GuestError(f"{message['op']} {message['path']} in {self.name}: took longer than {timeout:.0f}s")
         if result.exit_code != 0:
             detail = result.stderr.decode(errors="replace").strip().splitlines()
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
@@ -275,9 +291,21 @@ class NamespaceGuest:
     def write_file(self, path: str, data: bytes, mode: int | None) -> None:
         self._file_op({"op": "write", "path": path, "mode": mode}, stdin=data)
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int = DEFAULT_READ_LIMIT) -> bytes:
+        """A regular file's bytes: the guest side refuses FIFOs and devices and stops past
+        ``max_bytes``; this side keeps at most ``max_bytes`` whatever the guest sends."""
         chunks: list[bytes] = []
-        self._file_op({"op": "read", "path": path}, stdout_sink=chunks.append)
+        kept = 0
+
+        def keep(data: bytes) -> None:
+            nonlocal kept
+            kept += len(data)
+            if kept <= max_bytes:
+                chunks.append(data)
+
+        self._file_op({"op": "read", "path": path, "limit": max_bytes}, stdout_sink=keep)
+        if kept > max_bytes:
+            raise GuestError(f"read_file {path} in {self.name}: more than {max_bytes} bytes (max_bytes); refused")
         return b"".join(chunks)
 
     def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
@@ -329,12 +357,18 @@ class NamespaceGuest:
         out = os.fdopen(write_fd, "wb")
 
         def forward(data: bytes) -> None:
-            out.write(data)
+            if errors:
+                return  # the consumer refused the stream: drop the rest, the guest side ends on its own
+            try:
+                out.write(data)
+            except BrokenPipeError:
+                pass
 
         try:
             self._file_op(message, stdout_sink=forward)
         finally:
-            out.close()
+            with contextlib.suppress(BrokenPipeError):
+                out.close()
             consumer.join()
         if errors:
             raise errors[0]
@@ -358,6 +392,15 @@ class NamespaceGuest:
         self._ctl.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         self._destroyed = True
+
+
+def _noting_oom(result: GuestExecResult, kills: int) -> GuestExecResult:
+    """Say so on stderr when the kernel killed processes for memory during this exec."""
+    if kills <= 0:
+        return result
+    note = (f"\npytest-smolvm: the guest ran out of memory: the kernel killed {kills} process(es) "
+            "(OOM; raise memory_mb in @pytest.mark.smol)\n").encode()
+    return GuestExecResult(result.exit_code, result.stdout, result.stderr + note, result.timed_out)
 
 
 def destroy_recorded(data: Mapping[str, Any]) -> None:
@@ -444,14 +487,18 @@ class NamespaceBackend:
         rootfs = self.rootfs(spec.baseline)
         scratch = state_dir() / "scratch" / spec.name
         scratch.mkdir(parents=True, exist_ok=False)
+        relax = set(spec.relax)
+        bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         cgroup_dirs: list[str] = []
         try:
             cgroup_dirs = cgroups.create(self.limits, f"{cgroups.state_tag(state_dir())}-{spec.name}",
-                                         cpus=spec.cpus, memory_mb=spec.memory_mb)
+                                         cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
-                "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb, "network": spec.network,
-                "userns": self.userns, "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
+                "state": str(state_dir()), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
+                "network": spec.network, "userns": self.userns, "seccomp": bpf,
+                "rlimits": self._rlimits(spec, relax),
+                "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
                 raise ProvisionError(f"namespace guest {spec.name}: {reply['error']}")
         except BaseException:
@@ -462,6 +509,17 @@ class NamespaceBackend:
         ctl = socket.socket(fileno=fds[0])
         return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
 
+    def _rlimits(self, spec: VMSpec, relax: set[str]) -> dict[str, int]:
+        """Per-guest rlimits where no cgroup controller does the job (user-namespace mode)."""
+        if "limits" in relax:
+            return {}
+        found: dict[str, int] = {}
+        if "pids" not in self.limits.parents:
+            found["RLIMIT_NPROC"] = cgroups.DEFAULT_PIDS_MAX
+        if "memory" not in self.limits.parents:
+            found["RLIMIT_FSIZE"] = spec.disk_mb << 20
+        return found
+
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
                         scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
         """Run ``populate`` in a guest, once per host per ``key``, and keep its root as a rootfs."""
@@ -471,7 +529,8 @@ class NamespaceBackend:
             with scratch_guest(baseline) as guest:
                 populate(guest)
                 assert isinstance(guest, NamespaceGuest)
-                guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
+                guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False,
+                                                             what="warm baseline export"))
 
         warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")

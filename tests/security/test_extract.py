@@ -242,7 +242,7 @@ def test_layer_rules_hold_against_poc_trees(shape: Callable[[Path, Canary, str],
 def test_this_python_tarfile_filter_alone_is_not_relied_on(dest: Path, canary: Canary) -> None:
     """Whatever tarfile's data filter does on this Python, hostfs refuses the 4517 tree by itself."""
     data = cve_2025_4517(dest, canary, PAYLOAD)
-    with pytest.raises(hostfs.UnsafeArchive, match="leaves the copied tree|is a symlink"):
+    with pytest.raises(hostfs.UnsafeArchive, match=r"leaves the copied tree|is a symlink"):
         hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
 
 
@@ -255,7 +255,7 @@ def test_devices_and_fifos_are_refused_on_copy_out(kind: bytes, dest: Path) -> N
         info = tarfile.TarInfo(f"{PAYLOAD}/node")
         info.type, info.devmajor, info.devminor = kind, 1, 5
         tar.addfile(info)
-    with pytest.raises(hostfs.UnsafeArchive, match="a FIFO|a device"):
+    with pytest.raises(hostfs.UnsafeArchive, match=r"a FIFO|a device"):
         hostfs.extract(io.BytesIO(_tar(build)), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
     assert not (dest / PAYLOAD / "node").exists()
 
