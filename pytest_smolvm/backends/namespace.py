@@ -155,7 +155,12 @@ class NamespaceGuest:
         request_id = self._next_id
         try:
             _send(self._ctl, {**message, "id": request_id}, fds)
-            reply, _ = _recv(self._ctl)
+            while True:
+                reply, _ = _recv(self._ctl)
+                # An earlier request abandoned mid-stream (a refused copy_out) still gets its
+                # exit reported: skip it, it is not this request's answer.
+                if reply is None or reply.get("id") == request_id:
+                    break
         except OSError as exc:
             raise GuestError(f"guest {self.name} is gone: {exc}") from exc
         if reply is None:
@@ -357,15 +362,18 @@ class NamespaceGuest:
         out = os.fdopen(write_fd, "wb")
 
         def forward(data: bytes) -> None:
-            if errors:
-                return  # the consumer refused the stream: drop the rest, the guest side ends on its own
             try:
                 out.write(data)
             except BrokenPipeError:
-                pass
+                # The consumer refused the stream (a cap, a bad member): stop reading now. Our
+                # end of the guest child's pipe closes and the child dies of SIGPIPE.
+                raise _Abandoned from None
 
         try:
             self._file_op(message, stdout_sink=forward)
+        except _Abandoned:
+            if not errors:  # only a consumer that failed closes its end early
+                errors.append(GuestError(f"{message['op']} in {self.name}: the stream's reader stopped"))
         finally:
             with contextlib.suppress(BrokenPipeError):
                 out.close()
@@ -392,6 +400,10 @@ class NamespaceGuest:
         self._ctl.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         self._destroyed = True
+
+
+class _Abandoned(Exception):
+    """The host stopped reading a guest child's output on purpose."""
 
 
 def _noting_oom(result: GuestExecResult, kills: int) -> GuestExecResult:
