@@ -424,14 +424,3 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
         raise UnsafeArchive(f"{policy.what}: not a readable tar stream: {exc}") from exc
     finally:
         extractor.close()
-
-
-def read_capped(stream: IO[bytes], *, max_bytes: int, timeout: float, what: str) -> bytes:
-    """All of ``stream``, or :class:`UnsafeArchive` past ``max_bytes`` or ``timeout``."""
-    reader = BoundedReader(stream, max_bytes=max_bytes, timeout=timeout, what=what)
-    chunks: list[bytes] = []
-    while True:
-        chunk = reader.read(CHUNK)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)

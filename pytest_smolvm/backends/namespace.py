@@ -141,6 +141,7 @@ class NamespaceGuest:
         self.pid_start = process_start_time(pid)
         self.scratch = scratch
         self.cgroup_dirs = cgroup_dirs
+        self._oom_kills = 0  # the cgroup's OOM kill count after the last exec (a new cgroup has none)
         self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
         self._workdir = rootfs.workdir or "/"
         self._lock = threading.Lock()
@@ -277,9 +278,9 @@ class NamespaceGuest:
         message = {"op": "exec", "argv": list(argv), "env": {**self._env, **env},
                    "cwd": workdir or self._workdir}
         with self._lock:
-            ooms = cgroups.oom_kills(self.cgroup_dirs)
             result = self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout)
-            return _noting_oom(result, cgroups.oom_kills(self.cgroup_dirs) - ooms)
+            before, self._oom_kills = self._oom_kills, cgroups.oom_kills(self.cgroup_dirs)
+            return _noting_oom(result, self._oom_kills - before)
 
     def _file_op(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None = None,
                  stdout_sink: Callable[[bytes], None] | None = None, timeout: float = FILE_OP_TIMEOUT) -> None:
@@ -372,14 +373,17 @@ class NamespaceGuest:
         try:
             self._file_op(message, stdout_sink=forward)
         except _Abandoned:
-            if not errors:  # only a consumer that failed closes its end early
-                errors.append(GuestError(f"{message['op']} in {self.name}: the stream's reader stopped"))
+            abandoned = True
+        else:
+            abandoned = False
         finally:
             with contextlib.suppress(BrokenPipeError):
                 out.close()
             consumer.join()
         if errors:
             raise errors[0]
+        if abandoned:  # only a consumer that failed closes its end early
+            raise GuestError(f"{message['op']} in {self.name}: the stream's reader stopped")
 
     def logs(self) -> str:
         return ""  # a namespace guest has no console; its history is the exec transcript

@@ -58,7 +58,7 @@ def ns_backend(security_env: Path) -> Iterator[NamespaceBackend]:
 @pytest.fixture(scope="session")
 def baseline(ns_backend: NamespaceBackend) -> Baseline:
     found = resolve(None, Path.cwd())
-    ns_backend.prepare(found)
+    ns_backend.rootfs(found)  # unpacked once, before any test times anything
     return found
 
 
