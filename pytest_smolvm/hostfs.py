@@ -418,7 +418,7 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
                            timeout=caps.timeout, what=policy.what)
     extractor = Extractor(dest, policy, caps)
     try:
-        with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK) as tar:  # type: ignore[call-overload]
             extractor.run(tar)
     except tarfile.TarError as exc:
         raise UnsafeArchive(f"{policy.what}: not a readable tar stream: {exc}") from exc
