@@ -36,6 +36,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
+from pytest_smolvm import hostfs
 from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
@@ -301,14 +302,18 @@ class SmolGuest:
                 self._sh('mkdir -p -- "$1"', parent, what=f"write_file {path}: mkdir")
             self._sdk_write(path, data, mode)
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The SDK fetches the file whole; ``max_bytes`` (see VM.read_file) is checked right after."""
         from smol import SmolError
 
         with self._lock:
             try:
-                return self._machine.read_file(path)
+                data = self._machine.read_file(path)
             except SmolError as exc:
                 raise GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
+        if max_bytes is not None and len(data) > max_bytes:
+            raise GuestError(f"read_file {path} in {self.name}: more than {max_bytes} bytes (max_bytes); refused")
+        return data
 
     def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
         with tempfile.TemporaryFile() as spool:
@@ -438,11 +443,16 @@ def _rename_members(source: IO[bytes], out: IO[bytes], base: str, arcname: str) 
             return arcname + stripped[len(base):]
         return name
 
+    written = 0
     try:
         with tarfile.open(fileobj=source, mode="r|") as tin, \
                 tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tout:
             for member in tin:
                 fileobj = tin.extractfile(member) if member.isreg() else None
+                written += member.size if member.isreg() else 0
+                if written > hostfs.DEFAULT_MAX_BYTES:  # a sparse member would expand in full here
+                    raise GuestError(f"copy_out: the guest's archive holds more than {hostfs.DEFAULT_MAX_BYTES} "
+                                     "bytes (the cap); refused")
                 changes: dict[str, Any] = {"name": rename(member.name)}
                 if member.islnk():
                     changes["linkname"] = rename(member.linkname)
