@@ -221,7 +221,10 @@ class Extractor:
             self.members += 1
             if self.members > self.caps.max_members:
                 raise UnsafeArchive(f"{self.policy.what}: more than {self.caps.max_members} members (the cap)")
-            self.member(tar, member)
+            try:
+                self.member(tar, member)
+            except (OSError, OverflowError, ValueError) as exc:  # e.g. ENOSPC, an absurd mtime or uid
+                raise UnsafeArchive(f"{self.policy.what}: cannot unpack {member.name[:200]!r}: {exc}") from exc
         self.finish()
 
     def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:

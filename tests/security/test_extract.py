@@ -409,3 +409,15 @@ def test_smol_backend_renaming_does_not_expand_a_sparse_terabyte(tmp_path: Path)
     with pytest.raises(GuestError, match="the cap"):
         _rename_members(io.BytesIO(archive), out, "huge", PAYLOAD)
     assert len(out.getvalue()) < 1 << 20
+
+
+def test_an_absurd_member_is_a_clear_refusal(dest: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(f"{PAYLOAD}/old")
+        info.mtime = 10 ** 30
+        tar.addfile(info, io.BytesIO(b""))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        build(tar)
+    with pytest.raises(hostfs.UnsafeArchive, match="cannot unpack 'payload/old'"):
+        hostfs.extract(io.BytesIO(buffer.getvalue()), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
