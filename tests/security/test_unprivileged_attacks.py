@@ -20,6 +20,8 @@ import pytest
 
 from tests.test_unprivileged import NOBODY, _userns_allowed
 
+# The whole suite runs as nobody in the first test's fixture: more than one test's usual budget.
+pytestmark = pytest.mark.timeout(900)
 SUITE = Path(__file__).with_name("test_guest_attacks.py")
 REPO = Path(__file__).parents[2]
 
