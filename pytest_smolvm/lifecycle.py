@@ -33,6 +33,7 @@ from pytest_smolvm.backends import (
 )
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.oci import resolve_image
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
 from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
@@ -86,8 +87,7 @@ class SmolSession:
         self.selection: Selection = select_backend(self.settings.backend, self.settings.target)
         self.backend_cls = backend_class(self.selection.name)
         try:
-            self.default_baseline: Baseline = baselines.resolve(self.settings.baseline, self.settings.rootdir)
-            self.backend_cls.check_baseline(self.default_baseline)
+            self.default_baseline: Baseline = self._resolve(self.settings.baseline)
         except UsageError as exc:
             raise UsageError(str(exc).replace("--smol-baseline", self.settings.baseline_option)) from None
         self._baselines: dict[str | None, Baseline] = {None: self.default_baseline}
@@ -107,12 +107,17 @@ class SmolSession:
                     target=self.settings.target, labels={"run": self.run_id, "worker": self.worker}))
             return self._backend
 
+    def _resolve(self, reference: str | None) -> Baseline:
+        found = baselines.resolve(reference, self.settings.rootdir)
+        if found.kind == "registry" and self.selection.name != "smol":  # smol pulls images itself
+            found = resolve_image(found.reference, self.settings, run_id=self.run_id)
+        self.backend_cls.check_baseline(found)
+        return found
+
     def baseline_for(self, image: str | None) -> Baseline:
         if image not in self._baselines:
             try:
-                resolved = baselines.resolve(image, self.settings.rootdir)
-                self.backend_cls.check_baseline(resolved)
-                self._baselines[image] = resolved
+                self._baselines[image] = self._resolve(image)
             except UsageError as exc:
                 raise UsageError(str(exc).replace("--smol-baseline", "@pytest.mark.smol(image)")) from None
         return self._baselines[image]

@@ -21,7 +21,7 @@ def header_lines(session: SmolSession) -> list[str]:
         f"(isolation: {session.backend_cls.isolation}; {session.selection.reason})",
         f"smolvm: baseline {base.reference} ({base.kind}, {base.digest})",
     ]
-    if base.kind in ("bundled", "rootfs-tar", "image-archive"):
+    if base.kind in ("bundled", "rootfs-tar", "image-archive") or (base.kind == "registry" and base.path):
         done = preparations(base.digest)
         if done:
             last = done[-1]

@@ -25,7 +25,8 @@ MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "time
 OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-baseline", "smol_baseline",
      "baseline every guest forks from: rootfs dir, rootfs tarball (.tar/.tar.gz/.tar.zst), "
-     "docker-save/OCI archive, .smolmachine or registry ref (smol). Default: the bundled Alpine rootfs."),
+     "docker-save/OCI archive, .smolmachine (smol) or registry image (name:tag, host/name:tag, "
+     "name@sha256:...). Default: the bundled Alpine rootfs."),
     ("--smol-backend", "smol_backend",
      "auto (microVM if one boots here, else namespace), smol or namespace. Default: auto."),
     ("--smol-target", "smol_target", "where smol microVMs run: local or cloud. Default: local."),
@@ -39,12 +40,22 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+REGISTRY_AUTH_HELP = ("[REGISTRY=]USER:PASSWORD for pulling registry images (or set $PYTEST_SMOLVM_REGISTRY_AUTH, "
+                      "which keeps it out of ps); else ~/.docker/config.json is read.")
+OFFLINE_HELP = "pull nothing: registry images come from the host's cache only (pre-pull: pytest-smolvm pull IMAGE)."
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("smolvm", "pytest-smolvm: a fresh guest per test")
     for option, ini, help_text in OPTIONS:
         group.addoption(option, dest=ini, default=None, metavar=ini.upper().removeprefix("SMOL_"),
                         help=help_text)
         parser.addini(ini, help=help_text, default=None)
+    # Credentials get no ini key: an ini file is committed.
+    group.addoption("--smol-registry-auth", dest="smol_registry_auth", default=None, metavar="AUTH",
+                    help=REGISTRY_AUTH_HELP)
+    group.addoption("--smol-offline", dest="smol_offline", action="store_true", default=None, help=OFFLINE_HELP)
+    parser.addini("smol_offline", help=OFFLINE_HELP, type="bool", default=False)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class Settings:
     logs: str = "failed"
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
+    registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used
+    offline: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -101,6 +114,14 @@ class Settings:
                 if not value.strip():
                     raise UsageError(f"{name}: expected a path, got an empty value")
                 changes[attr] = base / Path(value).expanduser()
+        auth_value = config.getoption("smol_registry_auth", None)
+        if auth_value is not None:
+            from pytest_smolvm.oci.auth import parse_auth_option
+
+            parse_auth_option(str(auth_value))  # a malformed value fails here, naming the option
+            changes["registry_auth"] = str(auth_value)
+        offline = config.getoption("smol_offline", None)
+        changes["offline"] = bool(offline) if offline is not None else bool(config.getini("smol_offline"))
         return replace(settings, **changes)
 
 

@@ -408,12 +408,13 @@ class NamespaceBackend:
 
     @classmethod
     def check_baseline(cls, baseline: Baseline) -> None:
-        if baseline.kind in ("registry", "smolmachine"):
-            what = ("no such file or directory, and a registry reference" if baseline.kind == "registry"
-                    else "a .smolmachine")
-            raise UsageError(f"--smol-baseline={baseline.reference}: {what} needs the smol backend; the "
+        if baseline.kind == "smolmachine":
+            raise UsageError(f"--smol-baseline={baseline.reference}: a .smolmachine needs the smol backend; the "
                              "namespace backend takes a rootfs dir, a rootfs tarball (.tar, .tar.gz, "
-                             ".tar.zst) or a docker-save/OCI archive")
+                             ".tar.zst), a docker-save/OCI archive or a registry image")
+        if baseline.kind == "registry" and baseline.path is None:
+            raise UsageError(f"--smol-baseline={baseline.reference}: a registry image must be pinned and pulled "
+                             "first (pytest_smolvm.oci.resolve_image)")
 
     def prepare(self, baseline: Baseline) -> None:
         self.rootfs(baseline)
