@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from pytest_smolvm import artifacts, episodes, hookspecs, reporting
+from pytest_smolvm import artifacts, episodes, hookspecs, progress, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.lifecycle import LiveGuest, SmolSession
 from pytest_smolvm.registry import records
@@ -44,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     run_id = config.workerinput[RUN_ID_INPUT] if _is_worker(config) else uuid.uuid4().hex  # type: ignore[attr-defined]
+    progress.install(config)  # before the session: pinning a registry baseline may pull it
     try:
         session = SmolSession(Settings.from_config(config), run_id=run_id)
     except UsageError as exc:
@@ -79,6 +80,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
+    progress.reset()
     for sig, handler in config.stash.get(SIGNALS_KEY, {}).items():
         signal.signal(sig, handler)
 

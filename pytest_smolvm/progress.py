@@ -11,6 +11,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 QUIET_FOR = 1.0  # seconds of work before the first line
 EVERY = 2.0  # seconds between lines after that
@@ -62,3 +66,20 @@ class Progress:
         elapsed = self._clock() - self.started
         if (self.shown or elapsed >= QUIET_FOR) and _sink is not None:
             _sink(f"smolvm: {self.title}: {summary} in {elapsed:.1f}s")
+
+
+def install(config: pytest.Config) -> None:
+    """Progress lines to the real terminal, past pytest's capture; none with ``-q``."""
+    if config.get_verbosity() < 0:
+        set_sink(None)
+        return
+    capman = config.pluginmanager.getplugin("capturemanager")
+
+    def write(line: str) -> None:
+        if capman is None:
+            _stderr(line)
+            return
+        with capman.global_and_fixture_disabled():
+            _stderr(line)
+
+    set_sink(write)

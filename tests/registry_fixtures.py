@@ -12,8 +12,8 @@ import pytest
 
 from pytest_smolvm.oci.pull import host_platform
 from tests.registry_server import (
-    OCI_INDEX,
     INSTALL_HINT,
+    OCI_INDEX,
     Registry,
     alpine_layer,
     digest_of,

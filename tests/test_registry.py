@@ -10,14 +10,12 @@ import pytest
 
 from pytest_smolvm import baseline as baselines
 from pytest_smolvm.errors import UsageError
-from pytest_smolvm.oci import resolve_image
-from pytest_smolvm.oci import store
+from pytest_smolvm.oci import resolve_image, store
 from pytest_smolvm.oci.auth import lookup, parse_auth_option
 from pytest_smolvm.oci.reference import parse
 from pytest_smolvm.settings import Settings
-from tests.registry_fixtures import IMAGE_ENV, PRIVATE_USER, Images, no_partial_files
+from tests.registry_fixtures import PRIVATE_USER, Images, no_partial_files
 from tests.registry_server import ProxyConfig, Registry, free_port, proxy
-
 
 # --------------------------------------------------------------------------- references and auth
 
@@ -67,7 +65,8 @@ def test_docker_config_auths_and_credential_helpers(oci_cache: Path, tmp_path: P
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     helper = bin_dir / "docker-credential-fake"
-    helper.write_text('#!/bin/sh\nread server\necho "{\\"Username\\": \\"helper-user\\", \\"Secret\\": \\"$server\\"}"\n')
+    helper.write_text('#!/bin/sh\nread server\n'
+                      'echo "{\\"Username\\": \\"helper-user\\", \\"Secret\\": \\"$server\\"}"\n')
     helper.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     (docker / "config.json").write_text(json.dumps({
