@@ -13,7 +13,7 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
-from http.client import HTTPResponse
+from http.client import HTTPException, HTTPResponse
 from typing import Any
 
 from pytest_smolvm.errors import UsageError
@@ -55,7 +55,10 @@ class Client:
     def manifest(self, reference: str) -> tuple[bytes, str]:
         """The manifest (or index) ``reference`` names: its bytes and media type."""
         with self._get(f"{self.ref.base_url}/manifests/{reference}", ACCEPT, what=f"manifest {reference}") as r:
-            body = r.read(MAX_MANIFEST + 1)
+            try:
+                body = r.read(MAX_MANIFEST + 1)
+            except (OSError, HTTPException) as exc:
+                raise self.error(f"reading manifest {reference} from {self.ref.registry} broke off: {exc!r}") from None
             media_type = r.headers.get("Content-Type", "").split(";")[0].strip()
         if len(body) > MAX_MANIFEST:
             raise self.error(f"manifest {reference} is larger than {MAX_MANIFEST} bytes")
@@ -82,7 +85,7 @@ class Client:
                     self._authorization = self._answer(challenge)
                     continue
                 raise self._http_error(exc.code, what) from None
-            except (urllib.error.URLError, OSError) as exc:
+            except (urllib.error.URLError, OSError, HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
                 raise self.error(f"cannot reach registry {self.ref.registry} ({self.ref.scheme}): {reason}") from None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -148,7 +151,9 @@ class Client:
                 body: Any = json.loads(response.read(MAX_TOKEN))
         except urllib.error.HTTPError as exc:
             exc.close()
-            raise self._http_error(exc.code if exc.code in (401, 403) else 401, "a token") from None
+            if exc.code in (401, 403):
+                raise self._http_error(exc.code, "a token") from None
+            raise self.error(f"token service {parts.netloc} for {self.ref.registry} answered HTTP {exc.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise self.error(f"token service {parts.netloc} for {self.ref.registry} failed: "
                              f"{getattr(exc, 'reason', exc)}") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from http.client import HTTPException
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -99,8 +100,11 @@ class _Puller:
             if manifest:
                 body, _ = self.client.manifest(digest)
             else:
-                with self.client.blob(digest) as response:
-                    body = response.read(MAX_CONFIG + 1)
+                try:
+                    with self.client.blob(digest) as response:
+                        body = response.read(MAX_CONFIG + 1)
+                except (OSError, HTTPException) as exc:
+                    raise self.error(f"reading {what} {digest[:19]} broke off: {exc!r}") from None
             try:
                 store.put_bytes(digest, body)
             except store.DigestMismatch:
@@ -155,10 +159,13 @@ class _Puller:
             if media_type not in LAYER_TYPES:
                 raise self.error(f"layer {str(layer.get('digest'))[:19]} has media type {media_type!r}, "
                                  "not a filesystem layer")
+            if not isinstance(layer.get("size"), int) or layer["size"] <= 0 or not isinstance(layer.get("digest"), str):
+                # The size bounds the download: a registry cannot stream more than the manifest says.
+                raise self.error(f"manifest {manifest_digest[:19]} lists a layer without a digest and a size")
         missing = [layer for layer in layers if not store.has(layer["digest"])]
         if missing and self.offline:
-            raise self._not_cached(f"{len(missing)} layer(s)")
-        total = sum(int(layer.get("size", 0)) for layer in missing)
+            raise self._not_cached(f"{len(missing)} of its {len(layers)} layer(s)")
+        total = sum(int(layer["size"]) for layer in missing)
         progress = Progress(f"pulling {self.ref.reference}")
         done = 0
         pulled = 0
@@ -175,11 +182,11 @@ class _Puller:
                 return self.client.blob(digest)
 
             try:
-                _, downloaded = store.fetch(digest, int(layer.get("size", 0)) or None, open_blob, on_bytes)
+                _, downloaded = store.fetch(digest, int(layer["size"]), open_blob, on_bytes)
             except store.DigestMismatch:
                 raise self.error(f"layer {digest[:19]} from {self.ref.registry} is corrupt (its bytes do not "
                                  "match its digest); nothing was cached") from None
-            except OSError as exc:
+            except (OSError, HTTPException) as exc:
                 raise self.error(f"download of layer {digest[:19]} from {self.ref.registry} broke off: "
                                  f"{exc}; nothing was cached") from None
             pulled += downloaded
