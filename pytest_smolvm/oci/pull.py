@@ -50,9 +50,17 @@ def resolve_image(reference: str, settings: Settings, *, run_id: str | None = No
 
     ref = parse(reference)
     puller = _Puller(ref, Client(ref, settings.registry_auth), offline=settings.offline)
-    top = puller.top_digest(run_id)
-    manifest_digest = puller.platform_manifest(top)
-    puller.ensure_blobs(manifest_digest)
+    try:
+        top = puller.top_digest(run_id)
+        manifest_digest = puller.platform_manifest(top)
+        puller.ensure_blobs(manifest_digest)
+    except RegistryError as exc:
+        if not any(c in reference for c in ":@/"):
+            # A bare word is a Docker Hub name and a relative path alike: a typo'd path must say so.
+            why = str(exc).removeprefix(f"--smol-baseline={reference}: ")
+            raise RegistryError(f"--smol-baseline={reference}: no such file or directory, and as the "
+                                f"registry image {ref.canonical}: {why}") from None
+        raise
     return Baseline(reference, "registry", store.blob_path(manifest_digest), top)
 
 
