@@ -223,3 +223,21 @@ def test_a_layer_damaged_in_the_cache_fails_the_unpack_cleanly(oci_registry: Ima
         baselines.unpack(base)
     assert not (oci_cache / "baselines" / base.path.name[:32]).exists()  # type: ignore[union-attr]
     assert no_partial_files(oci_cache) == []
+
+
+@pytest.mark.parametrize("manifest", [
+    {"schemaVersion": 2, "config": {"digest": "sha256:../../../etc/passwd"}, "layers": []},
+    {"schemaVersion": 2, "config": "nope", "layers": []},
+    {"schemaVersion": 2, "manifests": [{"platform": "linux", "digest": "sha256:" + "0" * 64}]},
+    {"schemaVersion": 1, "fsLayers": []},
+], ids=["traversal-digest", "config-not-object", "platform-not-object", "schema1"])
+def test_hostile_manifests_are_one_line_errors(manifest: dict[str, object], oci_cache: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_smolvm.oci.client import Client
+
+    body = json.dumps(manifest).encode()
+    monkeypatch.setattr(Client, "manifest", lambda self, reference: (body, ""))
+    with pytest.raises(UsageError, match=r"^--smol-baseline=127.0.0.1:1/evil:1: ") as info:
+        resolve_image("127.0.0.1:1/evil:1", _settings())
+    assert "\n" not in str(info.value)
+    assert not (oci_cache / "etc").exists() and no_partial_files(oci_cache) == []

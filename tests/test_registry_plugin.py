@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,17 @@ def test_pull_command_prepulls_for_offline_runs(cli: Any, pytester: pytest.Pytes
     missing = cli("pull", f"{oci_registry.host}/acc/nothing:1")
     assert missing.returncode == 2
     assert missing.stderr.startswith(f"pytest-smolvm pull {oci_registry.host}/acc/nothing:1: no such image")
+
+
+def test_concurrent_first_pulls_download_each_blob_once(oci_registry: Images, oci_cache: Path) -> None:
+    config = ProxyConfig(oci_registry.host, delay_per_mb=0.1)  # slow enough for the pulls to overlap
+    with proxy(config) as host:
+        image = f"{host}/acc/layers:1"
+        pulls = [subprocess.Popen([sys.executable, "-m", "pytest_smolvm.cli", "pull", image],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        outputs = [p.communicate(timeout=240) for p in pulls]
+    assert [p.returncode for p in pulls] == [0, 0, 0], outputs
+    assert {out.splitlines()[0] for out, _ in outputs} == {f"{image}: {oci_registry.layers}"}
+    blob_gets = [p for p in config.paths if "/blobs/" in p]
+    assert len(blob_gets) == len(set(blob_gets)) == 3, blob_gets  # config and two layers, once each
+    assert no_partial_files(oci_cache) == []

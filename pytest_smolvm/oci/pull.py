@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 from http.client import HTTPException
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 MAX_CONFIG = 8 << 20
 LAYER_TYPES = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
                "application/vnd.oci.image.layer.v1.tar+zstd", "application/vnd.docker.image.rootfs.diff.tar.gzip")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _ARCH = {"x86_64": ("amd64", ""), "amd64": ("amd64", ""), "aarch64": ("arm64", ""), "arm64": ("arm64", ""),
          "armv7l": ("arm", "v7"), "armv6l": ("arm", "v6"), "i386": ("386", ""), "i686": ("386", ""),
          "ppc64le": ("ppc64le", ""), "s390x": ("s390x", ""), "riscv64": ("riscv64", "")}
@@ -101,7 +103,8 @@ class _Puller:
         store.remember_tag(self.ref.canonical, digest, run_id)
         return digest
 
-    def _json_blob(self, digest: str, what: str, *, manifest: bool) -> dict[str, Any]:
+    def _json_blob(self, digest: Any, what: str, *, manifest: bool) -> dict[str, Any]:
+        self._check_digest(digest, what)
         if not store.has(digest):
             if self.offline:
                 raise self._not_cached(what)
@@ -126,6 +129,11 @@ class _Puller:
             raise self.error(f"{what} {digest[:19]} is not a JSON object")
         return data
 
+    def _check_digest(self, digest: Any, what: str) -> None:
+        """Registry data names files in the cache: only a well-formed sha256 digest may do that."""
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise self.error(f"the registry names {what} by {str(digest)[:80]!r}, not a sha256 digest")
+
     def platform_manifest(self, digest: str) -> str:
         """The manifest for this host: ``digest`` itself, or its index's entry for this platform."""
         for _depth in range(3):  # an index of indexes is allowed, a loop of them is not
@@ -141,7 +149,9 @@ class _Puller:
         arch, variant = host_platform()
         offered = []
         for entry in entries if isinstance(entries, list) else []:
-            plat = entry.get("platform") or {} if isinstance(entry, dict) else {}
+            plat = entry.get("platform") if isinstance(entry, dict) else None
+            if not isinstance(plat, dict):
+                continue
             offered.append(f"{plat.get('os')}/{plat.get('architecture')}"
                            + (f"/{plat['variant']}" if plat.get("variant") else ""))
             if plat.get("os") == "linux" and plat.get("architecture") == arch \
@@ -157,9 +167,10 @@ class _Puller:
         if unpacked_marker(manifest_digest).is_file():
             return  # the rootfs exists: its layers are not needed again
         manifest = self._json_blob(manifest_digest, "manifest", manifest=True)
-        config = manifest.get("config") or {}
+        config = manifest.get("config")
         layers = manifest.get("layers")
-        if not isinstance(layers, list) or not isinstance(config.get("digest"), str):
+        if not isinstance(config, dict) or not isinstance(layers, list) \
+                or not all(isinstance(layer, dict) for layer in layers):
             raise self.error(f"manifest {manifest_digest[:19]} is not an image manifest (no config or layers)")
         self._json_blob(config["digest"], "image config", manifest=False)
         for layer in layers:
@@ -167,9 +178,10 @@ class _Puller:
             if media_type not in LAYER_TYPES:
                 raise self.error(f"layer {str(layer.get('digest'))[:19]} has media type {media_type!r}, "
                                  "not a filesystem layer")
-            if not isinstance(layer.get("size"), int) or layer["size"] <= 0 or not isinstance(layer.get("digest"), str):
+            self._check_digest(layer.get("digest"), "a layer")
+            if not isinstance(layer.get("size"), int) or layer["size"] <= 0:
                 # The size bounds the download: a registry cannot stream more than the manifest says.
-                raise self.error(f"manifest {manifest_digest[:19]} lists a layer without a digest and a size")
+                raise self.error(f"manifest {manifest_digest[:19]} lists a layer without a size")
         missing = [layer for layer in layers if not store.has(layer["digest"])]
         if missing and self.offline:
             raise self._not_cached(f"{len(missing)} of its {len(layers)} layer(s)")
