@@ -74,12 +74,17 @@ def install(config: pytest.Config) -> None:
         set_sink(None)
         return
     capman = config.pluginmanager.getplugin("capturemanager")
+    is_worker = hasattr(config, "workerinput")  # an xdist worker's stderr is the controller's terminal
 
     def write(line: str) -> None:
+        reporter = None if is_worker else config.pluginmanager.getplugin("terminalreporter")
         if capman is None:
             _stderr(line)
             return
         with capman.global_and_fixture_disabled():
-            _stderr(line)
+            if reporter is not None:
+                reporter.write_line(line)  # starts a fresh line if a test's dots are on this one
+            else:
+                _stderr(line)
 
     set_sink(write)

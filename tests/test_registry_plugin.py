@@ -90,8 +90,9 @@ def test_a_slow_pull_shows_progress_once_and_not_with_q(pytester: pytest.Pyteste
         shutil.rmtree(oci_cache)
         loud = pytester.runpytest_subprocess("-n", "2", "--smol-backend=namespace", f"--smol-baseline={image}")
         loud.assert_outcomes(passed=1)
-    lines = [line for line in loud.stderr.lines if line.startswith("smolvm: pulling")]
+    lines = [line for line in loud.stderr.lines + loud.stdout.lines if line.startswith("smolvm: pulling")]
     assert lines and lines[-1].startswith(f"smolvm: pulling {image}: pulled 1 layer(s)"), loud.stderr.str()
+    assert sum(line.startswith(f"smolvm: pulling {image}: pulled") for line in lines) == 1  # once, under -n 2
     assert any(" of 15." in line or " of 16." in line for line in lines), lines  # bytes and layers
 
 
