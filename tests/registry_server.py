@@ -20,6 +20,7 @@ import tarfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -187,6 +188,8 @@ class ProxyConfig:
     bearer: bool = False  # ask for an anonymous bearer token, as Docker Hub does
     corrupt_blobs: set[str] = field(default_factory=set)  # digests whose bytes get flipped
     delay_per_mb: float = 0.0  # seconds per MiB of blob, to make a pull slow enough to show progress
+    token_user: tuple[str, str] | None = None  # the token service wants this password (or the refresh token)
+    refresh_token: str = "refresh-me"
     tokens_issued: int = 0
     paths: list[str] = field(default_factory=list)
 
@@ -202,6 +205,11 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         config = self.config
         config.paths.append(self.path)
         if self.path.startswith("/token"):
+            basic = "Basic " + base64.b64encode(":".join(config.token_user).encode()).decode() \
+                if config.token_user else None
+            if basic and self.headers.get("Authorization") != basic:
+                self._reply(401, b"{}", {})
+                return
             config.tokens_issued += 1
             self._reply(200, json.dumps({"token": self.token}).encode(), {"Content-Type": "application/json"})
             return
@@ -224,6 +232,17 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             time.sleep(config.delay_per_mb * len(body) / (1 << 20))
         keep = {k: v for k, v in headers.items() if k.lower() in ("content-type", "docker-content-digest")}
         self._reply(status, body, keep)
+
+    def do_POST(self) -> None:
+        """The OAuth2 side of the token service: a refresh token ('identitytoken') for an access token."""
+        length = int(self.headers.get("Content-Length", "0"))
+        form = urllib.parse.parse_qs(self.rfile.read(length).decode())
+        self.config.paths.append(f"POST {self.path}")
+        if form.get("grant_type") != ["refresh_token"] or form.get("refresh_token") != [self.config.refresh_token]:
+            self._reply(401, b"{}", {})
+            return
+        self.config.tokens_issued += 1
+        self._reply(200, json.dumps({"access_token": self.token}).encode(), {"Content-Type": "application/json"})
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         self.send_response(status)

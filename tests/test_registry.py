@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -241,3 +242,17 @@ def test_hostile_manifests_are_one_line_errors(manifest: dict[str, object], oci_
         resolve_image("127.0.0.1:1/evil:1", _settings())
     assert "\n" not in str(info.value)
     assert not (oci_cache / "etc").exists() and no_partial_files(oci_cache) == []
+
+
+def test_token_service_credentials_from_docker_config(oci_registry: Images, oci_cache: Path, tmp_path: Path) -> None:
+    config = ProxyConfig(oci_registry.host, bearer=True, token_user=("carol", "tok-pw"))
+    (tmp_path / "docker").mkdir()
+    with proxy(config) as host:
+        with pytest.raises(UsageError, match=r"refused access .*no credentials found"):
+            resolve_image(f"{host}/acc/alpine:1", _settings())
+        (tmp_path / "docker" / "config.json").write_text(json.dumps({"auths": {host: {"identitytoken": "refresh-me"}}}))
+        assert resolve_image(f"{host}/acc/alpine:1", _settings(), run_id="a").digest == oci_registry.alpine
+        assert "POST /token" in config.paths  # the refresh token went through the OAuth2 exchange
+        (tmp_path / "docker" / "config.json").write_text(json.dumps({"auths": {f"http://{host}": {
+            "auth": base64.b64encode(b"carol:tok-pw").decode()}}}))
+        assert resolve_image(f"{host}/acc/alpine:1", _settings(), run_id="b").digest == oci_registry.alpine
