@@ -87,20 +87,21 @@ class _Puller:
     def top_digest(self, run_id: str | None) -> str:
         if self.ref.digest:
             return self.ref.digest
-        memo = store.tags().get(self.ref.canonical)
-        known = memo.get("digest") if isinstance(memo, dict) else None
         if self.offline:
-            if not isinstance(known, str):
+            known = store.tag_digest(self.ref.canonical)
+            if known is None:
                 raise self._not_cached(f"tag {self.ref.tag}")
             return known
-        if isinstance(known, str) and run_id is not None and isinstance(memo, dict) \
-                and memo.get("run") == run_id and store.has(known):
-            return known  # this run already asked the registry
-        assert self.ref.tag is not None
-        body, _ = self.client.manifest(self.ref.tag)
-        digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
-        store.put_bytes(digest, body)
-        store.remember_tag(self.ref.canonical, digest, run_id)
+        # Under a lock per tag: xdist workers that need the same marker image at once ask once.
+        with store.tag_lock(self.ref.canonical):
+            known = store.tag_digest(self.ref.canonical, run_id=run_id) if run_id is not None else None
+            if known is not None and store.has(known):
+                return known  # this run already asked the registry
+            assert self.ref.tag is not None
+            body, _ = self.client.manifest(self.ref.tag)
+            digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
+            store.put_bytes(digest, body)
+            store.remember_tag(self.ref.canonical, digest, run_id)
         return digest
 
     def _json_blob(self, digest: Any, what: str, *, manifest: bool) -> dict[str, Any]:

@@ -125,6 +125,22 @@ def tags() -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def tag_digest(canonical: str, *, run_id: str | None = None) -> str | None:
+    """The digest ``canonical`` last resolved to here (only if ``run_id`` resolved it, when given)."""
+    memo = tags().get(canonical)
+    if not isinstance(memo, dict) or not isinstance(memo.get("digest"), str):
+        return None
+    if run_id is not None and memo.get("run") != run_id:
+        return None
+    return str(memo["digest"])
+
+
+def tag_lock(canonical: str) -> FileLock:
+    locks = root() / "tag-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{hashlib.sha256(canonical.encode()).hexdigest()[:32]}.lock"))
+
+
 def remember_tag(canonical: str, digest: str, run_id: str | None) -> None:
     """``canonical`` (registry/repo:tag) named ``digest`` when this run resolved it."""
     path = _tags_path()
