@@ -50,14 +50,19 @@ def test_the_example_suite_on_a_registry_image_pulls_once(pytester: pytest.Pytes
 
 def test_the_image_config_reaches_the_guest(pytester: pytest.Pytester, smol_state: Path,
                                             oci_registry: Images, oci_cache: Path) -> None:
-    pytester.makepyfile(test_config="""
+    pytester.makepyfile(test_config=f"""
+        import pytest
+
+        @pytest.mark.smol(image="{oci_registry.host}/acc/layers:1")
         def test_env_and_workdir(smol_vm):
             result = smol_vm.exec("echo $GREETING; pwd; cat hello.txt")
             assert result.stdout == "hello from the image\\n/srv/app\\nfrom layer two\\n"
+
+        def test_the_default_baseline_is_untouched(smol_vm):
+            assert smol_vm.exec("echo $GREETING; pwd").stdout == "\\n/\\n"
     """)
-    result = pytester.runpytest_subprocess("--smol-backend=namespace",
-                                           f"--smol-baseline={oci_registry.host}/acc/layers:1")
-    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("--smol-backend=namespace", "-n", "2")
+    result.assert_outcomes(passed=2)
 
 
 def test_pull_errors_are_one_line_usage_errors(pytester: pytest.Pytester, smol_state: Path,
