@@ -21,7 +21,7 @@ def main() -> None:
     count = int(sys.argv[1])
     backend = NamespaceBackend()
     baseline = resolve(None, Path.cwd())
-    backend.prepare(baseline)
+    backend.prepare_run(baseline)
     try:
         for i in range(count):
             guest = backend.create(VMSpec(name=f"bare-{i}", baseline=baseline))

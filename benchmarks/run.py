@@ -92,7 +92,7 @@ def backend_session() -> Iterator[tuple[Any, Any]]:
 
     backend = NamespaceBackend()
     baseline = resolve(None, REPO)
-    backend.prepare(baseline)
+    backend.prepare_run(baseline)
     try:
         yield backend, baseline
     finally:
@@ -306,19 +306,73 @@ def _per_item(measure: Callable[[int], float], n: int, reps: int) -> float:
     return (median(large) - median(small)) / n
 
 
+def _kernel_floor(cfg: Config, iterations: int) -> float:
+    """Median seconds of the in-Python kernel floor (benchmarks/_floor.py), after a warm-up."""
+    from pytest_smolvm.baseline import resolve, unpack
+
+    lower = str(unpack(resolve(None, REPO)).path)
+    floor_dir = cfg.root / "floor-design"
+    floor_dir.mkdir(exist_ok=True)
+    out = run_checked([sys.executable, "-I", "-S", str(HERE / "_floor.py"), lower, str(floor_dir),
+                       str(iterations + 5)], cfg.env).stdout
+    force_rmtree(floor_dir)
+    return median(json.loads(out)[5:])
+
+
 def bench_plugin_overhead(cfg: Config) -> list[Figure]:
+    """The design ratio first: what a guest test costs in a real pytest run, against the floor."""
     suite_dir = cfg.root / "suite"
     suite_dir.mkdir()
     suite = suite_dir / "test_bench.py"
     suite.write_text(SUITE)
     n, reps = cfg.n(100, 40), cfg.n(3, 2)
     bare_script = str(HERE / "_bare.py")
+    floor_before = _kernel_floor(cfg, n)
     bare = _per_item(lambda k: wall([sys.executable, bare_script, str(k)], cfg.env, REPO), n, reps)
     plugin = _per_item(lambda k: _pytest_wall(cfg, suite, k, []), n, reps)
+    floor = median([floor_before, _kernel_floor(cfg, n)])  # before and after: the host drifts
     force_rmtree(suite_dir)
-    return [Figure('pytest test with smol_vm + exec("true")', plugin * 1e3, "ms",
+    method = f"(wall(2N) - wall(N)) / N, N={n}, median of {reps} per size"
+    return [Figure('DESIGN RATIO: pytest test with smol_vm + exec("true")', plugin * 1e3, "ms",
+                   "kernel floor (fork+unshare+overlay+spawn)", floor * 1e3, "<= 2x", None,
+                   f"{method}; floor: in-process median, before and after"),
+            Figure('pytest test with smol_vm + exec("true")', plugin * 1e3, "ms",
                    "bare backend loop (subprocess)", bare * 1e3, "<= 1.15x", None,
-                   f"(wall(2N) - wall(N)) / N, N={n}, median of {reps} per size, same method for both")]
+                   f"{method}, same method for both")]
+
+
+PLAIN_SUITE = "def test_plain():\n    pass\n"
+
+
+def bench_unused_plugin(cfg: Config) -> list[Figure]:
+    """A project with the plugin installed and no guest test, on a cold cache, vs -p no:smolvm."""
+    suite_dir = cfg.root / "plain"
+    suite_dir.mkdir()
+    suite = suite_dir / "test_plain.py"
+    suite.write_text(PLAIN_SUITE)
+    reps = cfg.n(9, 5)
+    figures = []
+    for label, extra, budget in (("serial", [], 60), ("-n 2", ["-n", "2"], 150)):
+        with_plugin: list[float] = []
+        without: list[float] = []
+        for rep in range(reps + 1):  # rep 0 is the warm-up
+            for sink, flags in ((with_plugin, []), (without, ["-p", "no:smolvm"])):
+                cold = cfg.root / f"cold-{label}-{rep}-{len(flags)}"
+                env = {**cfg.env, "PYTEST_SMOLVM_STATE_DIR": str(cold / "state"),
+                       "PYTEST_SMOLVM_CACHE_DIR": str(cold / "cache"), "XDG_CACHE_HOME": str(cold / "xdg")}
+                started = time.perf_counter()
+                run_checked([sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider",
+                             "-o", "addopts=", "--rootdir", str(suite_dir), *flags, *extra], env, suite_dir)
+                if rep:
+                    sink.append(time.perf_counter() - started)
+                force_rmtree(cold)
+        plugin, floor = median(with_plugin), median(without)
+        figures.append(Figure(f"unused plugin, 1 plain test, {label} (+{(plugin - floor) * 1e3:.0f} ms; "
+                              f"budget +{budget} ms)", plugin, "s", "same run with -p no:smolvm", floor,
+                              f"<= {1 + budget / 1000 / floor:.2f}x", None,
+                              f"median of {reps}, interleaved, a cold cache each run"))
+    force_rmtree(suite_dir)
+    return figures
 
 
 def bench_throughput(cfg: Config) -> list[Figure]:
@@ -394,11 +448,12 @@ def bench_memory(cfg: Config) -> list[Figure]:
 
 
 BENCHES: dict[str, Callable[[Config], list[Figure]]] = {
+    "plugin": bench_plugin_overhead,  # first: the design ratio
+    "unused": bench_unused_plugin,
     "baseline": bench_baseline,
     "floor": bench_floor_vs_bare,
     "exec": bench_exec,
     "copy": bench_copy,
-    "plugin": bench_plugin_overhead,
     "throughput": bench_throughput,
     "memory": bench_memory,
 }

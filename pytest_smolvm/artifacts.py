@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_smolvm.lifecycle import LiveGuest, SmolSession
+    from pytest_smolvm.pool import LiveGuest
+    from pytest_smolvm.run import SmolRun
 
 SECTION = "smolvm guest"
 CAPTURED_KEY = f"log {SECTION}"  # "Captured log ..." is the prefix junit_logging=log copies
@@ -63,13 +64,13 @@ STATE_KEY = pytest.StashKey[_ItemState]()
 SETTINGS_KEY = pytest.StashKey[SinkSettings]()
 
 
-def install(config: pytest.Config, session: SmolSession) -> None:
+def install(config: pytest.Config, run: SmolRun) -> None:
     """Called from the plugin's pytest_configure."""
-    artifacts = session.settings.artifacts
+    artifacts = run.settings.artifacts
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and workerinput.get(ARTIFACTS_INPUT):
         artifacts = Path(workerinput[ARTIFACTS_INPUT])  # the controller's view of a relative path wins
-    config.stash[SETTINGS_KEY] = SinkSettings(session.settings.logs, artifacts)
+    config.stash[SETTINGS_KEY] = SinkSettings(run.settings.logs, artifacts)
     if workerinput is None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistArtifacts(artifacts), "smolvm-artifacts-xdist")
 

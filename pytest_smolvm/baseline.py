@@ -28,9 +28,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import IO, Any, Literal
 
-import zstandard
-from filelock import FileLock
-
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.paths import cache_dir
 
@@ -62,39 +59,55 @@ class Rootfs:
     user: str = ""  # the image config's User ("" = root), for handles that can exec as a user
 
 
-def bundled_rootfs_tarball() -> Path:
+def bundled_rootfs_tarball(option: str = "--smol-baseline") -> Path:
     spec = find_spec("smol")  # finding, not importing: importing smol touches os.environ
     locations = list(spec.submodule_search_locations or []) if spec else []
     for location in locations:
         candidate = Path(location) / BUNDLED_ROOTFS
         if candidate.is_file():
             return candidate
-    raise UsageError("--smol-baseline: no baseline given and the smolmachines wheel's bundled rootfs "
-                     "was not found (pip install smolmachines, or pass --smol-baseline=PATH)")
+    raise UsageError(f"{option}: no baseline given and the smolmachines wheel's bundled rootfs "
+                     f"was not found (pip install smolmachines, or pass {option}=PATH)")
 
 
-def resolve(reference: str | None, rootdir: Path) -> Baseline:
-    """Classify ``reference`` and digest it. Raises UsageError naming --smol-baseline."""
+def resolve(reference: str | None, rootdir: Path, *, option: str = "--smol-baseline") -> Baseline:
+    """Classify ``reference`` and digest it. Raises UsageError naming ``option`` (what the user wrote)."""
     if not reference:
-        tarball = bundled_rootfs_tarball()
+        tarball = bundled_rootfs_tarball(option)
         return Baseline("bundled alpine", "bundled", tarball, file_digest(tarball))
-    path = Path(os.path.expanduser(reference))
-    if not path.is_absolute():
-        path = rootdir / path
+    check_reference(reference, rootdir, option=option)
+    path = _as_path(reference, rootdir)
     if path.exists():
         path = path.resolve()
         if path.is_dir():
             return Baseline(reference, "rootfs-dir", path, tree_digest(path))
         if path.name.endswith(".smolmachine"):
             return Baseline(reference, "smolmachine", path, file_digest(path))
-        if not path.name.endswith(TAR_SUFFIXES):
-            raise UsageError(f"--smol-baseline={reference}: not a rootfs dir or an archive "
-                             f"({', '.join(TAR_SUFFIXES)}, .smolmachine)")
         kind: Kind = "image-archive" if _is_image_archive(path) else "rootfs-tar"
         return Baseline(reference, kind, path, file_digest(path))
-    if _looks_like_path(reference):
-        raise UsageError(f"--smol-baseline={reference}: no such file or directory")
     return Baseline(reference, "registry", None, reference)
+
+
+def _as_path(reference: str, rootdir: Path) -> Path:
+    path = Path(os.path.expanduser(reference))
+    return path if path.is_absolute() else rootdir / path
+
+
+def check_reference(reference: str | None, rootdir: Path, *, option: str = "--smol-baseline") -> None:
+    """What :func:`resolve` would refuse, found without reading any file: a startup check."""
+    if not reference:
+        return
+    path = _as_path(reference, rootdir)
+    if path.exists():
+        if not path.is_dir() and not path.name.endswith((*TAR_SUFFIXES, ".smolmachine")):
+            raise UsageError(f"{option}={reference}: not a rootfs dir or an archive "
+                             f"({', '.join(TAR_SUFFIXES)}, .smolmachine)")
+    elif _looks_like_path(reference):
+        raise UsageError(f"{option}={reference}: no such file or directory")
+    else:
+        from pytest_smolvm.oci.reference import parse
+
+        parse(reference, option)  # a malformed image name fails at startup, not at the first guest
 
 
 def _looks_like_path(reference: str) -> bool:
@@ -168,7 +181,7 @@ def tree_digest(root: Path) -> str:
 # --------------------------------------------------------------------------- unpacking
 
 
-def unpack(baseline: Baseline) -> Rootfs:
+def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     """The baseline as a rootfs tree, unpacked at most once per host per digest."""
     if baseline.kind == "registry" and baseline.path is None:
         raise UsageError(f"--smol-baseline={baseline.reference}: a registry reference must be pinned "
@@ -183,6 +196,8 @@ def unpack(baseline: Baseline) -> Rootfs:
     # A registry baseline's digest may name a multi-platform index: the tree is this host's manifest.
     key = (baseline.path.name if baseline.kind == "registry" else baseline.digest.split(":", 1)[-1])[:32]
     final = store / key
+    from filelock import FileLock
+
     with FileLock(str(store / f"{key}.lock")):
         if (final / "image.json").is_file():
             return _load_rootfs(final)
@@ -210,11 +225,12 @@ def unpack(baseline: Baseline) -> Rootfs:
             force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
-        _log_preparation(store, baseline, elapsed)
+        _log_preparation(store, baseline, elapsed, by)
         return _load_rootfs(final)
 
 
-def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None]) -> Rootfs:
+def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None], *,
+                    by: str = "main") -> Rootfs:
     """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
 
     Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
@@ -223,6 +239,8 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
     store = cache_dir() / "baselines"
     store.mkdir(parents=True, exist_ok=True)
     final = store / f"warm-{key[:32]}"
+    from filelock import FileLock
+
     with FileLock(str(store / f"warm-{key[:32]}.lock")):
         if (final / "image.json").is_file():
             return _load_rootfs(final)
@@ -242,17 +260,17 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
-                         elapsed)
+                         elapsed, by)
         return _load_rootfs(final)
 
 
 PREPARATIONS = "preparations.jsonl"
 
 
-def _log_preparation(store: Path, baseline: Baseline, seconds: float) -> None:
+def _log_preparation(store: Path, baseline: Baseline, seconds: float, by: str) -> None:
     """One line per unpack ever done on this host: who did it and how long it took."""
     line = json.dumps({"digest": baseline.digest, "reference": baseline.reference, "pid": os.getpid(),
-                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "seconds": round(seconds, 3),
+                       "worker": by, "seconds": round(seconds, 3),
                        "at": time.time()}) + "\n"
     with open(store / PREPARATIONS, "a") as f:
         f.write(line)
@@ -291,6 +309,8 @@ def force_rmtree(path: Path) -> None:
 
 
 def _is_image_archive(path: Path) -> bool:
+    import zstandard
+
     try:
         with _open_maybe_compressed(path) as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
             for i, member in enumerate(tar):
@@ -309,6 +329,8 @@ def _decompressed(raw: IO[bytes]) -> IO[bytes]:
     if head[:2] == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=rest)  # type: ignore[return-value]
     if head == b"\x28\xb5\x2f\xfd":
+        import zstandard  # imported when needed: this module is on the plugin's startup path
+
         return zstandard.ZstdDecompressor().stream_reader(rest)
     return rest  # type: ignore[no-any-return]
 

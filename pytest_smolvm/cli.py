@@ -11,7 +11,7 @@ from importlib.util import find_spec
 
 from pytest_smolvm import registry
 from pytest_smolvm.backends import backend_class
-from pytest_smolvm.lifecycle import reap_orphans
+from pytest_smolvm.reaper import reap_orphans
 
 
 def _ls(args: argparse.Namespace) -> int:

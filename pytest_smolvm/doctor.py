@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TextIO
 
 from pytest_smolvm import probe as probe_mod
-from pytest_smolvm.backends import ProbeResult, select_backend
+from pytest_smolvm.plan import select_backend
+from pytest_smolvm.probe import ProbeResult
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000

@@ -35,7 +35,7 @@ import pytest
 from pytest_smolvm import artifacts
 
 if TYPE_CHECKING:
-    from pytest_smolvm.lifecycle import SmolSession
+    from pytest_smolvm.run import SmolRun
 
 EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
 MARKER = ("smol_episodes(n, seed=0): run this test as n episodes (ids ep0..ep{n-1}), each with a fresh "
@@ -204,25 +204,25 @@ EPISODE_KEY = pytest.StashKey[Episode]()
 REPORTS_KEY = pytest.StashKey[_Reports]()
 
 
-def install(config: pytest.Config, session: SmolSession) -> None:
+def install(config: pytest.Config, run: SmolRun) -> None:
     """Called from the plugin's pytest_configure."""
     config.addinivalue_line("markers", MARKER)
     workerinput = getattr(config, "workerinput", None)
-    results = session.settings.results
+    results = run.settings.results
     if workerinput is not None:
         given = workerinput.get(RESULTS_INPUT)
         results = Path(given) if given else None  # the controller's resolved path, or none at all
-    plugin = EpisodesPlugin(config, session, results, controller=workerinput is None)
+    plugin = EpisodesPlugin(config, run, results, controller=workerinput is None)
     config.pluginmanager.register(plugin, "smolvm-episodes")
     if workerinput is None and config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistEpisodes(plugin), "smolvm-episodes-xdist")
 
 
 class EpisodesPlugin:
-    def __init__(self, config: pytest.Config, session: SmolSession, results: Path | None, *,
+    def __init__(self, config: pytest.Config, run: SmolRun, results: Path | None, *,
                  controller: bool) -> None:
         self.config = config
-        self.session = session
+        self.run = run
         self.results = results
         self.controller = controller
         self.lines: list[dict[str, Any]] = []  # controller: every result line seen, for the summary
@@ -304,11 +304,11 @@ class EpisodesPlugin:
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
-            "backend": first.backend if first else self.session.selection.name,
+            "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,
             "baseline_digest": first.digest if first else None,
-            "worker": self.session.worker,
-            "run_id": self.session.run_id,
+            "worker": self.run.worker,
+            "run_id": self.run.run_id,
         }
 
     def write(self, line: Mapping[str, Any]) -> None:
@@ -353,9 +353,14 @@ class EpisodesPlugin:
             "case": (match["case"] or "") if match else "", "params": {},
             "episode": int(match["index"]) if match else None, "episodes": None, "seed": None,
             "outcome": "error", "message": str(report.longrepr)[:500], "reward": None, "info": {},
-            "durations": {}, "vms": [], "backend": self.session.selection.name, "baseline": None,
-            "baseline_digest": None, "worker": worker, "run_id": self.session.run_id, "crashed": True,
+            "durations": {}, "vms": [], "backend": self._backend(), "baseline": None,
+            "baseline_digest": None, "worker": worker, "run_id": self.run.run_id, "crashed": True,
         }
+
+    def _backend(self) -> str | None:
+        """The run's backend if it was decided (a test without a guest never decides it)."""
+        plan = self.run.plan
+        return plan.backend if plan is not None else None
 
     # -------------------------------------------------------------- summary
 

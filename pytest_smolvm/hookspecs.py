@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_smolvm.vm import VM
+if TYPE_CHECKING:
+    from pytest_smolvm.vm import VM
 
 
 def pytest_smolvm_configure_vm(item: pytest.Item, spec: dict[str, Any]) -> None:

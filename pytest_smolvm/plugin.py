@@ -1,31 +1,33 @@
-"""pytest hooks and fixtures: thin glue over settings, lifecycle, registry and reporting."""
+"""pytest hooks and fixtures: thin glue over the run (plan, pool), reporting and the sinks.
+
+Nothing here does work at startup: ``pytest_configure`` reads options and registers hooks.
+The run's plan is made, and this process's guest pool started, when a test first asks for a
+guest (see ``run.py``). A project without guest tests pays for option parsing and nothing else.
+"""
 
 from __future__ import annotations
 
-import json
-import signal
-import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
-from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
 from pytest_smolvm import artifacts, episodes, hookspecs, progress, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.lifecycle import LiveGuest, SmolSession
-from pytest_smolvm.registry import records
+from pytest_smolvm.run import SERVICE_INPUT, SmolRun
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
-from pytest_smolvm.vm import VM
-from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
 
-SESSION_KEY = pytest.StashKey[SmolSession]()
-GUESTS_KEY = pytest.StashKey[list[LiveGuest]]()
+if TYPE_CHECKING:
+    from pytest_smolvm.pool import LiveGuest
+    from pytest_smolvm.vm import VM
+
+RUN_KEY = pytest.StashKey[SmolRun]()
+GUESTS_KEY = pytest.StashKey[list["LiveGuest"]]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
-SIGNALS_KEY = pytest.StashKey[dict[int, Any]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
+PROBLEMS_KEY = pytest.StashKey[list[str]]()
 RUN_ID_INPUT = "smolvm_run_id"
-SHARED_INPUT = "smolvm_shared_state"
+PROBLEMS_OUTPUT = "smolvm_problems"  # workeroutput key: teardown problems a worker met
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,53 +38,30 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
 
 
-def _is_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    run_id = config.workerinput[RUN_ID_INPUT] if _is_worker(config) else uuid.uuid4().hex  # type: ignore[attr-defined]
-    progress.install(config)  # before the session: pinning a registry baseline may pull it
     try:
-        session = SmolSession(Settings.from_config(config), run_id=run_id)
+        settings = Settings.from_config(config)
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.stash[SESSION_KEY] = session
-    if _is_worker(config):
-        session.adopt_shared_state(json.loads(config.workerinput.get(SHARED_INPUT, "{}")))  # type: ignore[attr-defined]
-    config.stash[SIGNALS_KEY] = _signals_to_keyboard_interrupt()
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
+                      service_address=workerinput[SERVICE_INPUT])
+    else:
+        distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
+        run = SmolRun(settings, worker="controller" if distributed else "main")
+    progress.install(config)  # pulling or unpacking a baseline says how far it got
+    config.stash[RUN_KEY] = run
+    config.stash[PROBLEMS_KEY] = []
     counter = GuestTestCounter()
     config.stash[COUNTER_KEY] = counter
     config.pluginmanager.register(counter, "smolvm-counter")
-    if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistController(session), "smolvm-xdist")
-    episodes.install(config, session)
-    artifacts.install(config, session)
-
-
-def _signals_to_keyboard_interrupt() -> dict[int, Any]:
-    """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs."""
-    def interrupt(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-    previous: dict[int, Any] = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            previous[sig] = signal.signal(sig, interrupt)
-        except ValueError:  # not the main thread: leave signals to whoever owns it
-            break
-    return previous
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    session = config.stash.get(SESSION_KEY, None)
-    if session is not None:
-        session.close()
-    progress.reset()
-    for sig, handler in config.stash.get(SIGNALS_KEY, {}).items():
-        signal.signal(sig, handler)
+    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistController(run, config.stash[PROBLEMS_KEY]), "smolvm-xdist")
+    episodes.install(config, run)
+    artifacts.install(config, run)
 
 
 class GuestTestCounter:
@@ -99,42 +78,62 @@ class GuestTestCounter:
 class XdistController:
     """Hooks that exist only when pytest-xdist is installed (registered on demand)."""
 
-    def __init__(self, session: SmolSession) -> None:
-        self.session = session
+    def __init__(self, run: SmolRun, problems: list[str]) -> None:
+        self.run = run
+        self.problems = problems
 
     def pytest_configure_node(self, node: Any) -> None:
-        node.workerinput[RUN_ID_INPUT] = self.session.run_id
-        node.workerinput[SHARED_INPUT] = json.dumps(self.session.shared_state())
+        node.workerinput[RUN_ID_INPUT] = self.run.run_id
+        node.workerinput[SERVICE_INPUT] = self.run.service_address()
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
-        if error:
-            self.session.reap()  # the dead worker's guests died with it; this clears what they left
+        self.problems.extend(getattr(node, "workeroutput", {}).get(PROBLEMS_OUTPUT, []))
+        if error and self.run.plan is not None:
+            from pytest_smolvm.reaper import reap_orphans
 
+            reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    if not _is_worker(session.config):
-        session.config.stash[SESSION_KEY].reap()  # what dead runs left behind
+    def pytest_runtest_logstart(self) -> None:
+        if self.run.plan is not None:
+            self.run.install_signals()  # guests exist now: SIGTERM/SIGHUP must reach sessionfinish
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    smol = session.config.stash.get(SESSION_KEY, None)
-    if smol is not None:
-        smol.close()
-        if not _is_worker(session.config):
-            smol.reap()
+    config = session.config
+    run = config.stash.get(RUN_KEY, None)
+    if run is None:
+        return
+    problems = config.stash[PROBLEMS_KEY]
+    resolved = run.plan is not None
+    problems += run.close()
+    if resolved and not run.is_worker:
+        from pytest_smolvm.reaper import reap_orphans
+
+        report = reap_orphans()  # anything of this run a crashed worker or a failed destroy left
+        problems += [f"{name}: {why}" for name, why in report.failed]
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[PROBLEMS_OUTPUT] = list(problems)
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    return reporting.header_lines(config.stash[SESSION_KEY])
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = config.stash.get(RUN_KEY, None)
+    if run is not None:
+        run.close()  # idempotent; covers a session that never reached sessionfinish
+    progress.reset()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if _is_worker(config):
-        return
-    session = config.stash[SESSION_KEY]
-    kept = [r for r in records() if r.kept and r.run_id == session.run_id]
-    lines = reporting.summary_lines(session, kept, used_guests=config.stash[COUNTER_KEY].count > 0)
+    run = config.stash[RUN_KEY]
+    if run.is_worker or run.plan is None:
+        return  # no guest was ever asked for: nothing to say
+    from pytest_smolvm.registry import records
+
+    kept = [r for r in records() if r.kept and r.run_id == run.run_id]
+    problems: list[str] = config.stash[PROBLEMS_KEY]
+    lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
+                                    problems=problems)
     if lines:
         terminalreporter.section("smolvm")
         for line in lines:
@@ -163,8 +162,10 @@ def _fail_setup(message: str) -> NoReturn:
 def smol_vm_factory(request: pytest.FixtureRequest,
                     smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
     """Make guests on demand: ``smol_vm_factory(**marker_keywords)``; all destroyed at teardown."""
+    from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
+
     item = request.node
-    session = request.config.stash[SESSION_KEY]
+    run = request.config.stash[RUN_KEY]
     try:
         setup: BaselineSetup | None = BaselineSetup.from_config(request.config, smol_baseline_setup)
         base_spec: MarkerSpec | None = marker_spec(item)
@@ -182,9 +183,11 @@ def smol_vm_factory(request: pytest.FixtureRequest,
             proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
             item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
             spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
-            live: LiveGuest | None = session.create(item.nodeid, spec, setup)
+            live: LiveGuest | None = run.pool.create(item.nodeid, spec, setup)
             problem = ""
         except UsageError as exc:
+            # The run's settings are wrong (a bad baseline, say): every guest test would fail alike.
+            request.session.shouldstop = f"pytest-smolvm: {exc}"
             live, problem = None, str(exc)
         except BaselineSetupError as exc:
             # Stop the run (xdist included) rather than fail every remaining test the same way.
@@ -206,14 +209,16 @@ def smol_vm_factory(request: pytest.FixtureRequest,
     try:
         yield make
     finally:
-        keep = session.settings.keep
-        artifacts.before_destroy(item, made)  # files to save need the guests alive
-        for live in reversed(made):
-            if keep == "always" or (keep == "failed" and _test_failed(item)):
-                session.keep(live)
-            else:
-                session.destroy(live)
-        made.clear()
+        if made:
+            pool = run.pool
+            keep = run.settings.keep
+            artifacts.before_destroy(item, made)  # files to save need the guests alive
+            for live in reversed(made):
+                if keep == "always" or (keep == "failed" and _test_failed(item)):
+                    pool.keep(live)
+                else:
+                    pool.destroy(live)
+            made.clear()
 
 
 @pytest.fixture(scope="session")
@@ -230,4 +235,3 @@ def smol_baseline_setup() -> Sequence[str]:
 def smol_vm(smol_vm_factory: Callable[..., VM]) -> VM:
     """A fresh guest for this test (and so for each parametrized case), destroyed afterwards."""
     return smol_vm_factory()
-

@@ -6,9 +6,14 @@ ordinary guest kernel boots. Only a real boot tells the truth. The boot runs in 
 process in its own process group with a hard wall-clock limit: the engine's own readiness
 waits are minutes long, and a stalled boot must not stall a pytest session.
 
-The answer is cached per host, boot, user, smolmachines version and ``/dev/kvm`` identity,
+The probe boots what tests use: a branchable source and one branch of it (the smol backend
+forks every test's guest that way), so a host where a plain boot works but branching does not
+is not taken for a working one.
+
+A success is cached per host, boot, user, smolmachines version and ``/dev/kvm`` identity,
 because none of those change within a boot unless someone fixes the host (which changes the
-``/dev/kvm`` mode or group and so the key).
+``/dev/kvm`` mode or group and so the key). A failure is cached for minutes only: a user who
+fixes the host by other means (a module, a group membership) sees it on the next run soon.
 """
 
 from __future__ import annotations
@@ -29,21 +34,27 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.backends import ProbeResult
 from pytest_smolvm.paths import cache_dir
 
 DEFAULT_TIMEOUT = 20.0
 TIMEOUT_ENV = "PYTEST_SMOLVM_PROBE_TIMEOUT"
 CACHE_FILE = "probe.json"
-# A timeout can be a slow first run (the engine unpacks its 36 MB guest rootfs on first use),
-# so a timeout is only trusted for a while; a definite answer holds for the whole boot.
-TIMEOUT_RESULT_TTL = 3600.0
+# A failure (a timeout included: it can be a slow first run while the engine unpacks its 36 MB
+# guest rootfs) is trusted for minutes; a success holds for the whole boot.
+FAILURE_TTL = 600.0
 PROBE_NAME_PREFIX = "pytest-smolvm-probe-"
 # What changes how a guest boots, so a cached answer is only reused when these are unchanged.
+# Not SMOLVM_SECCOMP/SMOLVM_LANDLOCK: importing smol sets them itself (transport.py:303-304), so
+# they differ between a process that imported it and one that did not, for the same host.
 BOOT_ENV_KNOBS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR", "SMOLVM_BOOT_BINARY", "SMOLVM_AGENT_ROOTFS",
-                  "SMOLVM_AGENT_ROOTFS_TAR", "SMOLVM_SECCOMP", "SMOLVM_LANDLOCK", "XDG_CACHE_HOME",
-                  "XDG_DATA_HOME")
+                  "SMOLVM_AGENT_ROOTFS_TAR", "XDG_CACHE_HOME", "XDG_DATA_HOME")
 DELETE_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    available: bool
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ def _store(key: str, report: BootReport) -> None:
     data = {k: v for k, v in data.items() if isinstance(v, dict) and v.get("boot_id") == _boot_id()}
     data[key] = {"available": report.available, "reason": report.reason, "elapsed": round(report.elapsed, 3),
                  "at": now, "boot_id": _boot_id(), "host": socket.gethostname(),
-                 "expires": now + TIMEOUT_RESULT_TTL if report.timed_out else None}
+                 "expires": None if report.available else now + FAILURE_TTL}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{CACHE_FILE}.{os.getpid()}.tmp")
@@ -215,6 +226,7 @@ def boot(timeout: float | None = None) -> BootReport:
         return _wait_for_verdict(proc, name, limit, started)
     finally:
         remove_fork_lock(name)
+        remove_fork_lock(f"{name}-b")
 
 
 def _wait_for_verdict(proc: subprocess.Popen[bytes], name: str, limit: float, started: float) -> BootReport:
@@ -224,6 +236,7 @@ def _wait_for_verdict(proc: subprocess.Popen[bytes], name: str, limit: float, st
         _kill_group(proc)
         elapsed = time.monotonic() - started
         detail = _last_boot_message(name)
+        _delete_by_name(f"{name}-b")
         _delete_by_name(name)
         reason = f"boot did not finish within {limit:g}s"
         if detail:
@@ -236,10 +249,12 @@ def _wait_for_verdict(proc: subprocess.Popen[bytes], name: str, limit: float, st
         except ValueError:
             continue
         if verdict.get("ok"):
-            return BootReport(True, f"a microVM booted and ran /bin/sh in {elapsed:.2f}s", elapsed)
+            return BootReport(True, f"a branchable microVM booted and a branch of it ran /bin/sh "
+                                    f"in {elapsed:.2f}s", elapsed)
         code = str(verdict.get("code") or "ERROR")
         return BootReport(False, f"[{code}] {verdict.get('message', '')}".strip(), elapsed, code=code)
     tail = stderr.decode(errors="replace").strip().splitlines()
+    _delete_by_name(f"{name}-b")
     _delete_by_name(name)
     return BootReport(False, f"the probe process exited {proc.returncode} without a verdict"
                              + (f": {tail[-1]}" if tail else ""), elapsed)
@@ -301,24 +316,34 @@ def _child_boot(name: str, timeout: float) -> dict[str, Any]:
     if not available:
         return {"ok": False, "code": code or "UNAVAILABLE", "message": reason or "local engine unavailable"}
     local = ConnectOptions(target="local")
-    config = MachineConfig(name=name, resources=ResourceSpec(cpus=1, memory_mb=256, network=False),
-                           labels={"pytest-smolvm": "1", "role": "probe", "owner_pid": str(os.getpid())},
-                           ready_timeout_seconds=timeout)
+    labels = {"pytest-smolvm": "1", "role": "probe", "owner_pid": str(os.getpid())}
+    # The shape tests use: a persistent branchable source, and a branch of it that runs a command.
+    config = MachineConfig(name=name, resources=ResourceSpec(cpus=1, memory_mb=512, network=False),
+                           labels=labels, branchable=True, persistent=True, ready_timeout_seconds=timeout)
     try:
-        machine = Machine.create(config, local)
+        source = Machine.create(config, local)
     except SmolError as exc:
         return {"ok": False, "code": exc.code, "message": exc.message}
+    branch_name = f"{name}-b"
     try:
-        result = machine.exec(["/bin/sh", "-c", "true"])
-        if result.exit_code != 0:
-            return {"ok": False, "code": "EXEC_FAILED", "message": f"/bin/sh -c true exited "
-                    f"{result.exit_code} in the guest: {result.stderr[-300:]}"}
-        return {"ok": True}
-    except SmolError as exc:
-        return {"ok": False, "code": exc.code, "message": f"booted, but exec failed: {exc.message}"}
+        try:
+            branch = source.branch(branch_name)
+        except SmolError as exc:
+            return {"ok": False, "code": exc.code, "message": f"the source booted, but branching it failed: "
+                                                             f"{exc.message}"}
+        try:
+            result = branch.exec(["/bin/sh", "-c", "true"])
+            if result.exit_code != 0:
+                return {"ok": False, "code": "EXEC_FAILED", "message": f"/bin/sh -c true exited "
+                        f"{result.exit_code} in a branch: {result.stderr[-300:]}"}
+            return {"ok": True}
+        except SmolError as exc:
+            return {"ok": False, "code": exc.code, "message": f"branched, but exec failed: {exc.message}"}
+        finally:
+            Machine.delete_by_name(branch_name, local)  # children before their source
     finally:
         try:
-            machine.delete()
+            source.delete()
         except SmolError:
             Machine.delete_by_name(name, local)
 

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import os
 import select
+import subprocess
 import time
+
+HAVE_PROC = os.path.isdir("/proc/self")
 
 
 def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone.
+    """The kernel's start time of ``pid``, or None if it is gone.
 
-    A pid alone is not an identity: pids are reused. (pid, start time) is.
+    A pid alone is not an identity: pids are reused. (pid, start time) is. Linux: clock ticks
+    since boot, from /proc. Elsewhere (macOS has no /proc; reading it there made every live
+    run look dead to the reaper): seconds since the epoch, from ps.
     """
+    if not HAVE_PROC:
+        return _ps_start_time(pid)
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -22,6 +29,21 @@ def process_start_time(pid: int) -> int | None:
     if fields[0] == b"Z":
         return None  # a zombie has already released everything we care about
     return int(fields[19])
+
+
+def _ps_start_time(pid: int) -> int | None:
+    try:
+        done = subprocess.run(["ps", "-o", "stat=,lstart=", "-p", str(pid)], capture_output=True, text=True,
+                              timeout=10, env={**os.environ, "LC_ALL": "C"}, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = done.stdout.split()
+    if done.returncode != 0 or len(fields) < 6 or fields[0].startswith("Z"):
+        return None
+    try:
+        return int(time.mktime(time.strptime(" ".join(fields[1:6]), "%a %b %d %H:%M:%S %Y")))
+    except ValueError:
+        return None
 
 
 def is_alive(pid: int, start_time: int | None) -> bool:
@@ -41,7 +63,7 @@ def wait_gone(pid: int, timeout: float) -> bool:
             poller = select.poll()
             poller.register(pidfd, select.POLLIN)
             return bool(poller.poll(int(timeout * 1000)))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # no pidfd (not Linux): poll
         while time.monotonic() < deadline:
             if process_start_time(pid) is None:
                 return True

@@ -107,6 +107,9 @@ class Settings:
             settings = replace(settings, max_vms=_positive_int(name, value))
         name, value, base = get("smol_baseline")
         if value is not None:
+            from pytest_smolvm.baseline import check_reference
+
+            check_reference(value, base, option=name)  # a typo fails now; digesting waits for a guest
             settings = replace(settings, baseline=value, rootdir=base, baseline_option=name)
         for key, attr in (("smol_results", "results"), ("smol_artifacts", "artifacts")):
             name, value, base = get(key)

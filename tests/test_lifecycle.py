@@ -381,8 +381,9 @@ def test_guest_cannot_write_outside_its_scratch(pytester: pytest.Pytester, smol_
             r = smol_vm.exec("echo x > /bin/planted && echo x > /etc/planted && mkdir -p /usr/planted")
             assert r.exit_code == 0, r.stderr  # the guest may write its own root...
             for probe in ["mknod /tmp/disk b 8 0", "mount -t tmpfs none /mnt",
-                          "echo 1 > /proc/sys/kernel/panic_on_oops", "hostname evil && false"]:
+                          "echo 1 > /proc/sys/kernel/panic_on_oops", "hostname evil"]:
                 assert smol_vm.exec(probe).exit_code != 0, probe
+            assert smol_vm.exec("hostname").stdout.strip() == smol_vm.name[:64]  # unchanged
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
     # ...but only its own copy: the shared baseline is untouched.
@@ -430,12 +431,12 @@ def test_baseline_is_unpacked_once_per_host_whatever_n_is(pytester: pytest.Pytes
     """)
     first = pytester.runpytest_subprocess("-n", "2")
     first.assert_outcomes(passed=100)
-    first.stdout.fnmatch_lines(["smolvm: baseline not unpacked on this host yet*"])
+    first.stdout.fnmatch_lines(["smolvm: baseline unpacked once on this host by controller (pid *) in *s at *"])
     log = (cache / "baselines" / "preparations.jsonl").read_text().splitlines()
     assert len(log) == 1, log
     second = pytester.runpytest_subprocess("-n", "2")
     second.assert_outcomes(passed=100)
-    second.stdout.fnmatch_lines(["smolvm: baseline unpacked once on this host by gw* (pid *) in *s at *"])
+    second.stdout.fnmatch_lines(["smolvm: baseline unpacked once on this host by controller (pid *) in *s at *"])
     assert len((cache / "baselines" / "preparations.jsonl").read_text().splitlines()) == 1
 
 

@@ -27,7 +27,7 @@ def assert_one_line_setup_error(result: pytest.RunResult, *needles: str) -> None
     start = next(i for i, line in enumerate(lines) if "ERROR at setup of" in line)
     body = []
     for line in lines[start + 1:]:
-        if line.startswith("=") or line.startswith("_") or line.startswith("-"):
+        if line.startswith(("=", "_", "----")):  # the next block (not an option like --smol-...)
             break
         body.append(line)
     assert len(body) == 1, "\n".join(lines)
@@ -78,8 +78,8 @@ def test_ini_baseline_is_relative_to_the_ini_file(pytester: pytest.Pytester, smo
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["smolvm: baseline rootfs-dir (rootfs-dir, sha256:*)"])
 
-    pytester.makeini("[pytest]\nsmol_baseline = missing-rootfs\n")
-    one_line_usage_error(pytester.runpytest_subprocess("test_sub.py"), "smol_baseline=missing-rootfs",
+    pytester.makeini("[pytest]\nsmol_baseline = ./missing-rootfs\n")
+    one_line_usage_error(pytester.runpytest_subprocess("test_sub.py"), "smol_baseline=./missing-rootfs",
                          "no such file")
 
 
@@ -151,28 +151,35 @@ def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) ->
     result.stdout.fnmatch_lines(["*smol_vm_factory: unknown keyword 'ram'*"])
 
 
-def test_report_header(pytester: pytest.Pytester, smol_state: Path) -> None:
+def test_the_summary_says_what_ran_and_the_header_says_nothing(pytester: pytest.Pytester,
+                                                                smol_state: Path) -> None:
     pytester.makepyfile(PASSING)
     result = pytester.runpytest_subprocess("--smol-backend=auto")
     result.assert_outcomes(passed=1)
+    header = result.stdout.str().split("collected", 1)[0].replace("plugins: smolvm-", "plugins: ")
+    assert "smolvm" not in header  # nothing is decided before a test asks for a guest
     result.stdout.fnmatch_lines([
+        "*= smolvm =*",
         "smolvm: backend namespace (isolation: namespace; no microVM boots on this host*",
         "smolvm: baseline bundled alpine (bundled, sha256:*)",
         "smolvm: limits: *",
     ])
 
 
-def test_smol_backend_where_no_microvm_boots_is_a_usage_error_with_the_probes_reason(
+def test_smol_backend_where_no_microvm_boots_is_one_error_with_the_probes_reason(
         pytester: pytest.Pytester, smol_state: Path) -> None:
     from pytest_smolvm.probe import probe  # the same cached probe the plugin uses
 
     verdict = probe()
-    pytester.makepyfile(PASSING)
+    pytester.makepyfile(PASSING + PASSING.replace("test_ok", "test_ok_too"))
     started = time.monotonic()
     result = pytester.runpytest_subprocess("--smol-backend=smol")
     if verdict.available:
-        result.assert_outcomes(passed=1)
+        result.assert_outcomes(passed=2)
         return
-    one_line_usage_error(result, "--smol-backend=smol: no microVM boots on this host", verdict.reason[:60],
-                         "pytest-smolvm doctor")
+    # Decided at the first guest request (not at startup: a run without guest tests must not
+    # probe): that test errors with the reason, and the run stops there.
+    result.assert_outcomes(errors=1)
+    assert_one_line_setup_error(result, "--smol-backend=smol: no microVM boots on this host",
+                                verdict.reason[:60], "pytest-smolvm doctor")
     assert time.monotonic() - started < 60

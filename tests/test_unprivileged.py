@@ -26,10 +26,32 @@ def _userns_allowed() -> bool:
         return False
 
 
+def _nobody_cannot_import() -> str:
+    """Why user nobody cannot run this Python with the plugin (a venv under /root, say), or ""."""
+    probe = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c",
+         "import pytest, xdist, pytest_smolvm.plugin"],
+        env=_base_env(), cwd="/", capture_output=True, text=True, timeout=60)
+    if probe.returncode == 0:
+        return ""
+    lines = (probe.stderr or probe.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit {probe.returncode}"
+
+
+def _base_env() -> dict[str, str]:
+    env = {"PATH": os.environ["PATH"]}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user for the test")
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
 @pytest.mark.skipif(not _userns_allowed(), reason="unprivileged user namespaces are disabled on this host")
 def test_a_normal_user_gets_isolated_guests(shared_cache: Path) -> None:
+    why = _nobody_cannot_import()
+    if why:
+        pytest.skip(f"user nobody cannot import this interpreter's pytest and plugin: {why}")
     home = Path(tempfile.mkdtemp(prefix="smolvm-nobody-"))
     try:
         home.chmod(0o755)
@@ -51,7 +73,7 @@ def test_guest(smol_vm, i, tmp_path):
         os.chown(home, NOBODY, NOBODY)
         for path in home.rglob("*"):
             os.chown(path, NOBODY, NOBODY)
-        env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
+        env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
                "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
                "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
         result = subprocess.run(

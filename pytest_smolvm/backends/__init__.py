@@ -6,14 +6,17 @@ Nothing outside ``backends/`` knows how a guest is made.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pytest_smolvm.errors import UsageError
+from pytest_smolvm.probe import ProbeResult
 
 if TYPE_CHECKING:
     from pytest_smolvm.baseline import Baseline
@@ -40,12 +43,34 @@ class VMSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
+def spec_to_json(spec: VMSpec) -> dict[str, Any]:
+    """``spec`` as plain JSON (an xdist worker hands it to the controller)."""
+    raw = dataclasses.asdict(spec)
+    raw["baseline"]["path"] = str(spec.baseline.path) if spec.baseline.path else None
+    return raw
+
+
+def spec_from_json(raw: Mapping[str, Any]) -> VMSpec:
+    from pytest_smolvm.baseline import Baseline
+
+    base = dict(raw["baseline"])
+    base["path"] = Path(base["path"]) if base.get("path") else None
+    return VMSpec(**{**raw, "baseline": Baseline(**base), "allow_hosts": tuple(raw.get("allow_hosts") or ())})
+
+
 @dataclass(frozen=True)
 class BackendOptions:
-    """What the session tells a backend when it makes one (every backend takes the same)."""
+    """What the pool tells a backend when it makes one (every backend takes the same).
+
+    ``shared`` is what :meth:`Backend.prepare_run` returned in the process that outlives the
+    others (the RunPlan carries it to xdist workers); ``share_source`` asks that process for a
+    machine it makes and owns on the worker's behalf (``None`` in that process itself).
+    """
 
     target: str = "local"
     labels: Mapping[str, str] = field(default_factory=dict)
+    shared: Mapping[str, str] = field(default_factory=dict)
+    share_source: Callable[[VMSpec], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,12 +79,6 @@ class GuestExecResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    available: bool
-    reason: str
 
 
 class Guest(Protocol):
@@ -104,11 +123,16 @@ class Backend(Protocol):
     def probe(cls) -> ProbeResult: ...
 
     @classmethod
-    def check_baseline(cls, baseline: Baseline) -> None:
-        """Raise UsageError (naming --smol-baseline) if this backend cannot use ``baseline``."""
+    def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
+        """Raise UsageError (naming ``option``, as the user wrote it) if this backend cannot use ``baseline``."""
 
-    def prepare(self, baseline: Baseline) -> None:
-        """Make ``baseline`` ready to fork from, once per host (the caller holds no lock)."""
+    def prepare_run(self, baseline: Baseline) -> dict[str, str]:
+        """Once per run, in the process that outlives the others: make ``baseline`` ready to fork
+        from (once per host) and return what every worker's backend gets as ``options.shared``."""
+
+    def share_source(self, spec: VMSpec) -> str:
+        """In the process that outlives the others: a machine for ``spec`` that it owns and
+        deletes at :meth:`close`; workers branch from it by the name returned."""
 
     def create(self, spec: VMSpec) -> Guest: ...
 
@@ -127,12 +151,6 @@ class Backend(Protocol):
     def reap_unrecorded(cls) -> list[str]:
         """Remove what this backend made outside the registry (e.g. baseline machines) for dead owners."""
 
-    def shared_state(self, baseline: Baseline) -> dict[str, str]:
-        """In the process that outlives the others: what xdist workers must adopt (may prepare)."""
-
-    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
-        """In a worker: use what :meth:`shared_state` handed over instead of making its own."""
-
     def close(self) -> None: ...
 
 
@@ -149,36 +167,3 @@ def backend_class(name: str) -> type[Backend]:
     module_name, _, attr = target.partition(":")
     found: type[Backend] = getattr(importlib.import_module(module_name), attr)
     return found
-
-
-@dataclass(frozen=True)
-class Selection:
-    name: str
-    reason: str
-
-
-def select_backend(requested: str, target: str = "local",
-                   probe: Callable[[], ProbeResult] | None = None) -> Selection:
-    """Decide which backend runs, and say why. ``auto`` prefers a real microVM."""
-    if requested != "auto":
-        if requested == "smol" and target == "local":
-            result = (probe or _probe_smol)()
-            if not result.available:
-                raise UsageError(f"--smol-backend=smol: no microVM boots on this host: {result.reason} "
-                                 "(run 'pytest-smolvm doctor' for the fix)")
-        return Selection(requested, f"--smol-backend={requested} was asked for")
-    if target == "cloud":
-        return Selection("smol", "--smol-target=cloud runs microVMs on smol cloud")
-    result = (probe or _probe_smol)()
-    if result.available:
-        return Selection("smol", "a microVM booted on this host")
-    return Selection("namespace", f"no microVM boots on this host ({result.reason}); "
-                                  "namespace isolation shares the host kernel")
-
-
-def _probe_smol() -> ProbeResult:
-    try:
-        smol = backend_class("smol")
-    except (ImportError, AttributeError) as exc:
-        return ProbeResult(False, f"the smol backend is not available: {exc}")
-    return smol.probe()

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
-from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
+from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import process_start_time, wait_gone
 
 GUEST_HELPER = Path(__file__).with_name("_nsguest.py")
@@ -407,21 +408,25 @@ class NamespaceBackend:
         return [f"limits: {cgroups.detect().summary}", f"guests run {mode}"]
 
     @classmethod
-    def check_baseline(cls, baseline: Baseline) -> None:
+    def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
         if baseline.kind == "smolmachine":
-            raise UsageError(f"--smol-baseline={baseline.reference}: a .smolmachine needs the smol backend; the "
+            raise UsageError(f"{option}={baseline.reference}: a .smolmachine needs the smol backend; the "
                              "namespace backend takes a rootfs dir, a rootfs tarball (.tar, .tar.gz, "
                              ".tar.zst), a docker-save/OCI archive or a registry image")
         if baseline.kind == "registry" and baseline.path is None:
-            raise UsageError(f"--smol-baseline={baseline.reference}: a registry image must be pinned and pulled "
+            raise UsageError(f"{option}={baseline.reference}: a registry image must be pinned and pulled "
                              "first (pytest_smolvm.oci.resolve_image)")
 
-    def prepare(self, baseline: Baseline) -> None:
-        self.rootfs(baseline)
+    def prepare_run(self, baseline: Baseline) -> dict[str, str]:
+        self.rootfs(baseline)  # unpacked once per host, here rather than inside the first test
+        return {}  # workers find the unpacked baseline by digest in the host-wide cache
+
+    def share_source(self, spec: VMSpec) -> str:
+        raise ProvisionError("the namespace backend has no shared machines: every guest is made where it is used")
 
     def rootfs(self, baseline: Baseline) -> Rootfs:
         if baseline.digest not in self._rootfs:
-            self._rootfs[baseline.digest] = unpack(baseline)
+            self._rootfs[baseline.digest] = unpack(baseline, by=self.options.labels.get("worker", "main"))
         return self._rootfs[baseline.digest]
 
     def _helper(self) -> Zygote:
@@ -469,7 +474,7 @@ class NamespaceBackend:
                 assert isinstance(guest, NamespaceGuest)
                 guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
 
-        warm = prepare_derived(key, baseline, rootfs, capture)
+        warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")
         self._rootfs[derived.digest] = warm
         return derived
@@ -480,12 +485,6 @@ class NamespaceBackend:
     @classmethod
     def reap_unrecorded(cls) -> list[str]:
         return []  # every namespace guest is in the registry; baselines are a cache, not guests
-
-    def shared_state(self, baseline: Baseline) -> dict[str, str]:
-        return {}  # the unpacked baseline is found by digest in the host-wide cache
-
-    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
-        pass
 
     def close(self) -> None:
         if self._zygote is not None:

@@ -36,10 +36,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, ProbeResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
-from pytest_smolvm.probe import remove_fork_lock, vm_data_dir
+from pytest_smolvm.paths import state_dir
+from pytest_smolvm.probe import ProbeResult, remove_fork_lock, vm_data_dir
 from pytest_smolvm.procs import is_alive, process_start_time
 
 if TYPE_CHECKING:
@@ -493,6 +494,9 @@ class SmolBackend:
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self._closed = False
+        self._share_source = options.share_source  # set in xdist workers: the controller owns sources
+        for key, name in options.shared.items():
+            self._sources[key] = _Source(key, name, None, owned=False)
 
     # ---------------------------------------------------------------- protocol
 
@@ -503,11 +507,11 @@ class SmolBackend:
         return probe()
 
     @classmethod
-    def check_baseline(cls, baseline: Baseline) -> None:
+    def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
         """What the local engine cannot boot; cloud-only limits are checked when a source is made."""
         if baseline.kind == "image-archive" and baseline.path is not None \
                 and not baseline.path.name.endswith(IMAGE_ARCHIVE_SUFFIXES):
-            raise UsageError(f"--smol-baseline={baseline.reference}: smolmachines reads image archives "
+            raise UsageError(f"{option}={baseline.reference}: smolmachines reads image archives "
                              f"as {', '.join(IMAGE_ARCHIVE_SUFFIXES)} only (not zstd)")
 
     @classmethod
@@ -516,8 +520,14 @@ class SmolBackend:
         return ["guests are copy-on-write branches of a warm microVM (own kernel; smolmachines "
                 f"{_smol_version()})"]
 
-    def prepare(self, baseline: Baseline) -> None:
+    def prepare_run(self, baseline: Baseline) -> dict[str, str]:
+        """Boot the default source here, in the process that outlives the workers that branch it."""
         self.source_guest(VMSpec(name="", baseline=baseline))
+        return self.source_names()
+
+    def share_source(self, spec: VMSpec) -> str:
+        """A source a worker asked for: made and owned here, deleted at close after its children."""
+        return self._source_for(spec, populate=False).name
 
     def create(self, spec: VMSpec) -> SmolGuest:
         from smol import SmolError
@@ -604,14 +614,6 @@ class SmolBackend:
             removed.append(machine.name)
         return removed
 
-    def shared_state(self, baseline: Baseline) -> dict[str, str]:
-        self.prepare(baseline)  # the controller owns the source, so it outlives every worker
-        return self.source_names()
-
-    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
-        for key, name in state.items():
-            self.adopt_source(key, name)
-
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
                         scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
         """The warm baseline of a microVM is its source machine: setup runs there, branches inherit it."""
@@ -625,17 +627,11 @@ class SmolBackend:
         with self._lock:
             return {key: s.name for key, s in self._sources.items() if s.owned}
 
-    def adopt_source(self, key: str, name: str) -> None:
-        """Use a source another (longer-lived) process owns; it is connected lazily and never deleted here."""
-        with self._lock:
-            if key not in self._sources:
-                self._sources[key] = _Source(key, name, None, owned=False)
-
     def _key_lock(self, key: str) -> threading.Lock:
         with self._lock:
             return self._key_locks.setdefault(key, threading.Lock())
 
-    def _source_for(self, spec: VMSpec) -> _Source:
+    def _source_for(self, spec: VMSpec, *, populate: bool = True) -> _Source:
         key = self.source_key(spec)
         with self._key_lock(key):
             with self._lock:
@@ -644,20 +640,49 @@ class SmolBackend:
                 existing = self._sources.get(key)
             if existing is not None:
                 return existing
-            source = self._create_source(key, spec)
-            populate = self._populate.get(spec.baseline.digest)
-            if populate is not None:
-                assert source.machine is not None
-                try:
-                    populate(SmolGuest(source.machine, name=source.name, target=self.target,
-                                       source=None, env=spec.env, owned=False))
-                except BaseException:
-                    with contextlib.suppress(GuestError):
-                        self._delete_source(source)
-                    raise
+            setup = self._populate.get(spec.baseline.digest) if populate else None
+            if self._share_source is not None:
+                # An xdist worker: the controller makes and owns the source, so it outlives us;
+                # the first worker to need it warm runs the setup in it, once per host.
+                source = _Source(key, self._share_source(spec), None, owned=False)
+                if setup is not None:
+                    self._warm_once(source, spec, setup)
+            else:
+                source = self._create_source(key, spec)
+                if setup is not None:
+                    try:
+                        setup(self._source_guest_of(source, spec))
+                    except BaseException:
+                        with contextlib.suppress(GuestError):
+                            self._delete_source(source)
+                        raise
             with self._lock:
                 self._sources[key] = source
             return source
+
+    def _source_guest_of(self, source: _Source, spec: VMSpec) -> SmolGuest:
+        return SmolGuest(self._source_machine(source), name=source.name, target=self.target,
+                         source=None, env=spec.env, owned=False)
+
+    def _warm_once(self, source: _Source, spec: VMSpec, setup: Callable[[SmolGuest], None]) -> None:
+        """Run ``setup`` in a shared source unless another process already did (or failed to)."""
+        from filelock import FileLock
+
+        marks = state_dir() / "warm"
+        marks.mkdir(parents=True, exist_ok=True)
+        done, failed = marks / f"{source.name}.done", marks / f"{source.name}.failed"
+        with FileLock(str(marks / f"{source.name}.lock")):
+            if failed.exists():
+                raise ProvisionError("smol: the baseline setup already failed in another worker: "
+                                     + failed.read_text(errors="replace")[:2000])
+            if done.exists():
+                return
+            try:
+                setup(self._source_guest_of(source, spec))
+            except BaseException as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}")
+                raise
+            done.write_text("ok")
 
     def _source_machine(self, source: _Source) -> Machine:
         if source.machine is not None:
@@ -733,6 +758,8 @@ class SmolBackend:
             delete_machine(source.machine, source.name, self.target)
         else:
             destroy_recorded({"name": source.name, "target": self.target})
+        for mark in (state_dir() / "warm").glob(f"{source.name}.*"):
+            mark.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- reaping

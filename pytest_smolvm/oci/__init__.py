@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from pytest_smolvm.oci.client import RegistryError
-from pytest_smolvm.oci.pull import resolve_image, unpack_image
+from pytest_smolvm.oci.pull import pin_registry_image, resolve_image, unpack_image
 
-__all__ = ["RegistryError", "resolve_image", "unpack_image"]
+__all__ = ["RegistryError", "pin_registry_image", "resolve_image", "unpack_image"]

@@ -39,8 +39,9 @@ class RegistryError(UsageError):
 class Client:
     """One image's repository on one registry; the bearer token is reused for every request."""
 
-    def __init__(self, ref: ImageRef, auth_option: str | None = None) -> None:
+    def __init__(self, ref: ImageRef, auth_option: str | None = None, *, option: str = "--smol-baseline") -> None:
         self.ref = ref
+        self.option = option  # what the user wrote the reference in, for error messages
         self._auth_option = auth_option
         self._credentials: auth.Credentials | None = None
         self._looked_up = False
@@ -48,7 +49,7 @@ class Client:
         self.requests: list[str] = []  # paths asked for, for tests and the pull summary
 
     def error(self, message: str) -> RegistryError:
-        return RegistryError(f"--smol-baseline={self.ref.reference}: {message}")
+        return RegistryError(f"{self.option}={self.ref.reference}: {message}")
 
     # ------------------------------------------------------------------ requests
 

@@ -42,7 +42,18 @@ def host_platform() -> tuple[str, str]:
     return _ARCH.get(machine, (machine, ""))
 
 
-def resolve_image(reference: str, settings: Settings, *, run_id: str | None = None) -> Baseline:
+def pin_registry_image(found: Baseline, settings: Settings, backend: str, *, option: str = "--smol-baseline",
+                       run_id: str | None = None) -> Baseline:
+    """``found`` (from :func:`pytest_smolvm.baseline.resolve`), pinned and pulled if it is a registry
+    image for a backend that unpacks images on this host: every backend but smol, whose engine
+    pulls images itself."""
+    if found.kind != "registry" or backend == "smol":
+        return found
+    return resolve_image(found.reference, settings, run_id=run_id, option=option)
+
+
+def resolve_image(reference: str, settings: Settings, *, run_id: str | None = None,
+                  option: str = "--smol-baseline") -> Baseline:
     """Pin ``reference`` to a digest and make sure everything needed to unpack it is cached.
 
     A digest reference whose blobs are cached needs no network. A tag is looked up once per
@@ -50,8 +61,8 @@ def resolve_image(reference: str, settings: Settings, *, run_id: str | None = No
     """
     from pytest_smolvm.baseline import Baseline
 
-    ref = parse(reference)
-    puller = _Puller(ref, Client(ref, settings.registry_auth), offline=settings.offline)
+    ref = parse(reference, option)
+    puller = _Puller(ref, Client(ref, settings.registry_auth, option=option), offline=settings.offline)
     try:
         top = puller.top_digest(run_id)
         manifest_digest = puller.platform_manifest(top)
@@ -59,8 +70,8 @@ def resolve_image(reference: str, settings: Settings, *, run_id: str | None = No
     except RegistryError as exc:
         if not any(c in reference for c in ":@/"):
             # A bare word is a Docker Hub name and a relative path alike: a typo'd path must say so.
-            why = str(exc).removeprefix(f"--smol-baseline={reference}: ")
-            raise RegistryError(f"--smol-baseline={reference}: no such file or directory, and as the "
+            why = str(exc).removeprefix(f"{option}={reference}: ")
+            raise RegistryError(f"{option}={reference}: no such file or directory, and as the "
                                 f"registry image {ref.canonical}: {why}") from None
         raise
     return Baseline(reference, "registry", store.blob_path(manifest_digest), top)

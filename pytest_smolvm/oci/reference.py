@@ -61,10 +61,10 @@ def is_loopback(host_port: str) -> bool:
         return False
 
 
-def parse(reference: str) -> ImageRef:
+def parse(reference: str, option: str = "--smol-baseline") -> ImageRef:
     """Docker's normalisation: Docker Hub and ``library/`` for bare names, ``latest`` for no tag."""
     def bad(why: str) -> UsageError:
-        return UsageError(f"--smol-baseline={reference}: not an image reference ({why})")
+        return UsageError(f"{option}={reference}: not an image reference ({why})")
 
     rest, digest = reference, None
     if "@" in rest:

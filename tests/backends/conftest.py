@@ -55,7 +55,7 @@ def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baselin
         instance = SmolBackend(BackendOptions(target="local", labels={"run": RUN_ID, "worker": "conformance"}))
     else:
         instance = cls()
-    instance.prepare(baseline)
+    instance.prepare_run(baseline)
     yield instance
     instance.close()
     if request.param == "smol":

@@ -1,8 +1,10 @@
-"""Making and destroying guests, once for every backend: record, create, keep or destroy, forget.
+"""The GuestPool: one per pytest process, it makes, keeps and destroys that process's guests.
 
-One :class:`SmolSession` per pytest process. It owns the backend instance and every guest
-this process made, and guarantees that each one is either destroyed, kept on purpose, or left
-with a registry record that a reaper can act on.
+Lifecycle rules are written here once, above the backends: a registry record is saved before
+a guest starts; provisioning is retried (only provisioning: the test body has not started);
+``--smol-max-vms`` slots are held per guest; a destroy is retried, bounded in time, never
+interrupted halfway by Ctrl-C and never raises into a test's outcome; whatever is still alive
+when the process ends is destroyed by :meth:`GuestPool.close`.
 """
 
 from __future__ import annotations
@@ -14,31 +16,24 @@ import os
 import signal
 import threading
 import time
-import uuid
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pytest_smolvm import baseline as baselines
 from pytest_smolvm import capacity, registry
-from pytest_smolvm.backends import (
-    Backend,
-    BackendOptions,
-    Guest,
-    Selection,
-    VMSpec,
-    backend_class,
-    select_backend,
-)
+from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.oci import resolve_image
+from pytest_smolvm.oci import pin_registry_image
+from pytest_smolvm.plan import Planner, PlanSource, RunPlan
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
 from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
 
 DESTROY_ATTEMPTS = 2
+DESTROY_TIMEOUT = 60.0  # seconds for all attempts together; then the reaper takes over
 PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
 DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -48,8 +43,8 @@ DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 def signals_deferred() -> Iterator[None]:
     """Let a destroy finish before a Ctrl-C (or SIGTERM/SIGHUP) lands; it is delivered right after.
 
-    A second Ctrl-C during teardown must not cut a destroy in half. Destroys take milliseconds,
-    so the interrupt is late by that much only.
+    A second Ctrl-C during teardown must not cut a destroy in half. The destroy itself is
+    bounded (:data:`DESTROY_TIMEOUT`), so the interrupt is late by that much at most.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -69,63 +64,64 @@ class SmolVMWarning(UserWarning):
 class LiveGuest:
     vm: VM
     record: registry.Record
-    guest: Any  # the backend's Guest; kept out of the VM's public surface
-    provision_seconds: float
-    kept: bool = False
+    guest: Guest  # kept out of the VM's public surface
+    provision_seconds: float = 0.0
     destroy_seconds: float = 0.0
     slot: capacity.Slot | None = None
-    attempts: int = 1
 
 
-@dataclass
-class SmolSession:
-    settings: Settings
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    worker: str = field(default_factory=lambda: os.environ.get("PYTEST_XDIST_WORKER", "main"))
+class GuestPool:
+    """This process's guests, made with the run's plan (asked for on the first guest)."""
 
-    def __post_init__(self) -> None:
-        self.selection: Selection = select_backend(self.settings.backend, self.settings.target)
-        self.backend_cls = backend_class(self.selection.name)
-        try:
-            self.default_baseline: Baseline = self._resolve(self.settings.baseline)
-        except UsageError as exc:
-            raise UsageError(str(exc).replace("--smol-baseline", self.settings.baseline_option)) from None
-        self._baselines: dict[str | None, Baseline] = {None: self.default_baseline}
-        self._warm: dict[str, Baseline | BaselineSetupError] = {}
+    def __init__(self, settings: Settings, plans: PlanSource, *, run_id: str, worker: str) -> None:
+        self.settings = settings
+        self.run_id = run_id
+        self.worker = worker
+        self._plans = plans
         self._backend: Backend | None = None
+        self._baselines: dict[str | None, Baseline] = {}
+        self._warm: dict[str, Baseline | BaselineSetupError] = {}
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
         self.live: dict[str, LiveGuest] = {}
+        self.destroy_timeout = DESTROY_TIMEOUT
 
-    # ------------------------------------------------------------------ backend and baselines
+    # ------------------------------------------------------------------ plan and backend
+
+    @property
+    def plan(self) -> RunPlan:
+        return self._plans.plan()
 
     @property
     def backend(self) -> Backend:
+        """The run's backend: the planner's own instance in its process, else one made from the plan."""
+        plan = self.plan
         with self._lock:
             if self._backend is None:
-                self._backend = self.backend_cls(BackendOptions(
-                    target=self.settings.target, labels={"run": self.run_id, "worker": self.worker}))
+                if isinstance(self._plans, Planner) and self._plans.backend is not None:
+                    self._backend = self._plans.backend
+                else:
+                    self._backend = backend_class(plan.backend)(BackendOptions(
+                        target=plan.target, labels={"run": self.run_id, "worker": self.worker},
+                        shared=plan.shared, share_source=self._plans.share_source))
             return self._backend
 
-    def _resolve(self, reference: str | None) -> Baseline:
-        found = baselines.resolve(reference, self.settings.rootdir)
-        if found.kind == "registry" and self.selection.name != "smol":  # smol pulls images itself
-            found = resolve_image(found.reference, self.settings, run_id=self.run_id)
-        self.backend_cls.check_baseline(found)
-        return found
-
     def baseline_for(self, image: str | None) -> Baseline:
+        """The plan's baseline, or a marker's ``image`` resolved (and checked) once per process."""
+        if image is None:
+            return self.plan.baseline
         if image not in self._baselines:
-            try:
-                self._baselines[image] = self._resolve(image)
-            except UsageError as exc:
-                raise UsageError(str(exc).replace("--smol-baseline", "@pytest.mark.smol(image)")) from None
+            option = "@pytest.mark.smol(image)"
+            resolved = pin_registry_image(baselines.resolve(image, self.settings.rootdir, option=option),
+                                          self.settings, self.plan.backend, option=option, run_id=self.run_id)
+            backend_class(self.plan.backend).check_baseline(resolved, option=option)
+            self._baselines[image] = resolved
         return self._baselines[image]
-
-    # ------------------------------------------------------------------ guests
 
     def new_name(self) -> str:
         return f"smol-{self.run_id[:8]}-{self.worker}-{next(self._counter)}"
+
+    # ------------------------------------------------------------------ warm baselines
 
     def warm_baseline(self, base: Baseline, setup: BaselineSetup) -> Baseline:
         """``base`` after ``setup``, prepared once per host (a failure is remembered, not retried)."""
@@ -135,10 +131,11 @@ class SmolSession:
             raise BaselineSetupError(f"the baseline setup already failed in this run: {known}")
         if known is not None:
             return known
+        plan = self.plan
 
         def populate(guest: Guest) -> None:
-            vm = VM(guest, backend=self.selection.name, isolation=self.backend_cls.isolation,
-                    baseline=base.reference, digest=base.digest)
+            vm = VM(guest, backend=plan.backend, isolation=plan.isolation, baseline=base.reference,
+                    digest=base.digest)
             try:
                 if setup.run_hook is not None:
                     setup.run_hook(vm)
@@ -164,11 +161,12 @@ class SmolSession:
         self._warm[key] = warm
         return warm
 
+    # ------------------------------------------------------------------ guests
+
     def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None) -> LiveGuest:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
-        Raises ProvisionError (infrastructure) or UsageError (bad spec). Only provisioning is
-        retried: the test body has not started yet.
+        Raises ProvisionError (infrastructure) or UsageError (bad spec or settings).
         """
         base = self.baseline_for(spec.image)
         if setup:
@@ -186,7 +184,7 @@ class SmolSession:
                     time.sleep(PROVISION_BACKOFF * 2 ** (attempt - 1))
                     continue
                 live.provision_seconds = time.monotonic() - started
-                live.slot, live.attempts = slot, attempt
+                live.slot = slot
                 return live
         except BaseException:
             if slot is not None:
@@ -195,11 +193,12 @@ class SmolSession:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _create_once(self, test_id: str, spec: MarkerSpec, base: Baseline) -> LiveGuest:
+        plan = self.plan
+        backend = self.backend
         name = self.new_name()
-        record = registry.Record.for_this_process(name, self.selection.name, self.run_id, self.worker, test_id)
+        record = registry.Record.for_this_process(name, plan.backend, self.run_id, self.worker, test_id)
         record.save()
         try:
-            backend = self.backend
             guest = backend.create(VMSpec(
                 name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
                 network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env),
@@ -215,9 +214,9 @@ class SmolSession:
             raise
         record.data = guest.registry_data()
         record.save()
-        vm = VM(guest, default_timeout=spec.timeout, backend=self.selection.name,
-                isolation=backend.isolation, baseline=base.reference, digest=base.digest)
-        live = LiveGuest(vm, record, guest, 0.0)
+        vm = VM(guest, default_timeout=spec.timeout, backend=plan.backend, isolation=plan.isolation,
+                baseline=base.reference, digest=base.digest)
+        live = LiveGuest(vm, record, guest)
         self.live[name] = live
         return live
 
@@ -225,71 +224,66 @@ class SmolSession:
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
         live.guest.keep()
-        live.kept = True
         live.record.kept = True
         live.record.save()
         self.live.pop(live.vm.name, None)
 
     def destroy(self, live: LiveGuest) -> bool:
-        """Destroy and forget; on failure warn and leave the record. Never raises."""
+        """Destroy and forget; on failure (or past the time bound) warn and leave the record. Never raises."""
         self.live.pop(live.vm.name, None)
         started = time.monotonic()
-        error: BaseException | None = None
         with signals_deferred():
-            for _attempt in range(DESTROY_ATTEMPTS):
-                try:
-                    live.guest.destroy()
-                    error = None
-                    break
-                except Exception as exc:  # a failed destroy must never replace the test's outcome
-                    error = exc
+            error = _bounded(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
             if live.slot is not None:
                 live.slot.release()
         live.destroy_seconds = time.monotonic() - started
         if error is not None:
             warnings.warn(SmolVMWarning(
-                f"guest {live.vm.name} could not be destroyed ({type(error).__name__}: {error}); "
-                "its registry record stays: run 'pytest-smolvm reap' to remove it"), stacklevel=2)
+                f"guest {live.vm.name} could not be destroyed ({error}); its registry record stays: "
+                "run 'pytest-smolvm reap' to remove it"), stacklevel=2)
             return False
         live.record.remove()
         return True
 
-    def close(self) -> None:
-        """Destroy whatever this process still has alive, then release the backend."""
+    def close(self) -> list[str]:
+        """Destroy whatever this process still has alive, then release its own backend.
+
+        Returns the problems met (never raises): the caller turns them into a warning.
+        """
         for live in list(self.live.values()):
             self.destroy(live)
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
-
-    # ------------------------------------------------------------------ xdist handoff and reaping
-
-    def shared_state(self) -> dict[str, str]:
-        return self.backend.shared_state(self.default_baseline)
-
-    def adopt_shared_state(self, state: Mapping[str, str]) -> None:
-        if state:
-            self.backend.adopt_shared_state(state)
-
-    def reap(self) -> registry.ReapReport:
-        """What dead owners left: registry records first, then the backend's own leftovers."""
-        report = reap_orphans()
+        backend, self._backend = self._backend, None
+        if backend is None or (isinstance(self._plans, Planner) and backend is self._plans.backend):
+            return []  # the planner's backend outlives this pool: the planner closes it
         try:
-            report.removed += self.backend_cls.reap_unrecorded()
-        except Exception as exc:  # the engine may be unusable here; the registry part still counts
-            report.failed.append((self.selection.name, f"{type(exc).__name__}: {exc}"))
-        return report
+            backend.close()
+        except Exception as exc:
+            return [f"{type(exc).__name__}: {exc}"]
+        return []
 
 
-def destroy_record(record: registry.Record) -> None:
-    backend_class(record.backend)().destroy_recorded(record.data)
+def _bounded(action: Any, attempts: int, timeout: float) -> str | None:
+    """Run ``action`` up to ``attempts`` times within ``timeout`` seconds; None or the last error.
 
+    It runs in a daemon thread: a delete the engine never answers must not hold the test
+    process (and its blocked signals) forever. Past the bound the guest is left to the reaper.
+    """
+    outcome: list[str | None] = []
 
-def reap_orphans(*, include_kept: bool = False, names: Mapping[str, object] | None = None) -> registry.ReapReport:
-    """Remove guests whose owner process is gone (``names`` narrows it to those names)."""
-    def select(record: registry.Record) -> bool:
-        if names is not None and record.name not in names:
-            return False
-        return registry.orphaned(record, include_kept=include_kept)
+    def attempt_all() -> None:
+        error: str | None = None
+        for _ in range(attempts):
+            try:
+                action()
+                outcome.append(None)
+                return
+            except Exception as exc:  # a failed destroy must never replace the test's outcome
+                error = f"{type(exc).__name__}: {exc}"
+        outcome.append(error)
 
-    return registry.reap(select, destroy_record)
+    worker = threading.Thread(target=attempt_all, name="smolvm-destroy", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:
+        return f"destroy did not finish within {timeout:g}s"
+    return outcome[0]

@@ -1,0 +1,123 @@
+"""What one pytest process knows of its run, and nothing more until a guest is asked for.
+
+Made at configure time, it holds only settings and identities (cheap). The planner (in the
+process that outlives the others) or its remote stand-in (in an xdist worker) and this
+process's :class:`~pytest_smolvm.pool.GuestPool` are made on first use: importing the pool
+pulls in the backends, baselines and the registry, which a project without guest tests never
+needs.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from pytest_smolvm.settings import Settings
+
+if TYPE_CHECKING:
+    from pytest_smolvm.plan import Planner, PlanService, RemotePlanner, RunPlan
+    from pytest_smolvm.pool import GuestPool
+
+
+SERVICE_INPUT = "smolvm_plan_service"  # workerinput key: the controller's plan service, "host:port:secret"
+
+
+class SmolRun:
+    def __init__(self, settings: Settings, *, run_id: str | None = None, worker: str = "main",
+                 service_address: str | None = None) -> None:
+        self.settings = settings
+        self.run_id = run_id or uuid.uuid4().hex
+        self.worker = worker
+        self._service_address = service_address  # set in xdist workers
+        self._planner: Planner | RemotePlanner | None = None
+        self._service: PlanService | None = None
+        self._pool: GuestPool | None = None
+        self._signals: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def is_worker(self) -> bool:
+        return self._service_address is not None
+
+    @property
+    def planner(self) -> Planner | RemotePlanner:
+        with self._lock:
+            if self._planner is None:
+                from pytest_smolvm.plan import Planner, RemotePlanner
+
+                self._planner = (RemotePlanner(self._service_address) if self._service_address
+                                 else Planner(self.settings, self.run_id, self.worker))
+            return self._planner
+
+    def service_address(self) -> str:
+        """The controller's plan service, started on the first worker's configuration (cheap:
+        a loopback socket and a thread; the plan itself is still made only when asked for)."""
+        from pytest_smolvm.plan import Planner, PlanService
+
+        planner = self.planner
+        assert isinstance(planner, Planner)
+        with self._lock:
+            if self._service is None:
+                self._service = PlanService(planner)
+            return self._service.address
+
+    @property
+    def plan(self) -> RunPlan | None:
+        """The plan if this process has it already (never triggers the decision)."""
+        return self._planner.resolved if self._planner is not None else None
+
+    @property
+    def pool(self) -> GuestPool:
+        """This process's guests; the first call is where the plugin's work starts."""
+        planner = self.planner
+        with self._lock:
+            if self._pool is None:
+                from pytest_smolvm.pool import GuestPool
+
+                self._signals = _signals_to_keyboard_interrupt()
+                self._pool = GuestPool(self.settings, planner, run_id=self.run_id, worker=self.worker)
+            return self._pool
+
+    @property
+    def used(self) -> bool:
+        return self._pool is not None
+
+    def install_signals(self) -> None:
+        """In the controller: take SIGTERM/SIGHUP once guests exist (from the main thread only)."""
+        if not self._signals:
+            self._signals = _signals_to_keyboard_interrupt()
+
+    def close_pool(self) -> list[str]:
+        pool, self._pool = self._pool, None
+        return pool.close() if pool is not None else []
+
+    def close(self) -> list[str]:
+        """End of this process's part: its guests, then (in the owner) the run's backend."""
+        problems = self.close_pool()
+        from pytest_smolvm.plan import Planner
+
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+        if isinstance(self._planner, Planner):
+            problems += self._planner.close()
+        for sig, handler in self._signals.items():
+            signal.signal(sig, handler)
+        self._signals = {}
+        return problems
+
+
+def _signals_to_keyboard_interrupt() -> dict[int, Any]:
+    """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs."""
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous  # only the main thread may set handlers; whoever owns it decides
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, interrupt)
+    return previous

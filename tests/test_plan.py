@@ -1,0 +1,204 @@
+"""One decision per run, made lazily by the process that outlives the others (issue 10).
+
+- Installing the plugin costs a project without guest tests nothing: no probe, no file, no
+  process, no signal handler, no report line (serially and under xdist).
+- Under xdist, workers never decide: they use the controller's plan even when their own
+  environment would make them decide otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+NO_GUEST_SUITE = """
+import signal, sys
+
+def test_plain():
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+def test_nothing_heavy_was_imported():
+    heavy = [m for m in ("smol", "pytest_smolvm.pool", "pytest_smolvm.plan", "pytest_smolvm.backends",
+                         "pytest_smolvm.vm", "zstandard") if m in sys.modules]
+    assert heavy == []
+"""
+
+
+def _files_under(*roots: Path) -> list[str]:
+    return sorted(str(p) for root in roots if root.exists() for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "n2"])
+def test_an_unused_plugin_does_nothing(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path, workers: list[str]) -> None:
+    cache, state, xdg = tmp_path / "cache", tmp_path / "state", tmp_path / "xdg"
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("PYTEST_SMOLVM_STATE_DIR", str(state))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(xdg / "data"))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    pytester.makepyfile(NO_GUEST_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str().replace("plugins: smolvm-", "plugins: ")  # pytest's own plugin list
+    assert "smolvm" not in out  # no header line, no summary section
+    assert _files_under(cache, state, xdg) == []  # no probe cache, no registry, no unpacked baseline
+
+
+def test_the_plan_is_made_when_the_first_guest_is_asked_for(pytester: pytest.Pytester, smol_state: Path,
+                                                            shared_cache: Path) -> None:
+    pytester.makepyfile("""
+        import sys
+        from pathlib import Path
+        import os
+
+        def test_a_plain_test_first():
+            assert "pytest_smolvm.plan" not in sys.modules
+            assert not (Path(os.environ["PYTEST_SMOLVM_STATE_DIR"]) / "registry").exists()
+
+        def test_then_a_guest(smol_vm):
+            assert smol_vm.exec("true").exit_code == 0
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*= smolvm =*", "smolvm: backend namespace (isolation: namespace;*",
+                                 "smolvm: baseline bundled alpine (bundled, sha256:*"])
+
+
+WORKERS_DIFFER_CONFTEST = """
+import os
+from pathlib import Path
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    # A worker whose own view of the host differs from the controller's: its probe cache says a
+    # microVM boots (a worker deciding for itself would pick smol), and the environment variable
+    # xdist also sets names another worker.
+    from pytest_smolvm import probe
+    cache = Path(os.environ["PYTEST_SMOLVM_CACHE_DIR"]) / ("forged-" + workerinput["workerid"])
+    os.environ["PYTEST_SMOLVM_CACHE_DIR"] = str(cache)
+    probe._store(probe.cache_key(), probe.BootReport(True, "forged by the test", 0.0))
+    os.environ["PYTEST_XDIST_WORKER"] = "bogus"
+"""
+
+
+def test_workers_use_the_controllers_plan_whatever_their_environment(pytester: pytest.Pytester,
+                                                                     smol_state: Path) -> None:
+    pytester.makeconftest(WORKERS_DIFFER_CONFTEST)
+    pytester.makepyfile("""
+        import os
+        import pytest
+
+        @pytest.mark.parametrize("i", range(6))
+        def test_guest(smol_vm, i, worker_id):
+            assert smol_vm.backend == "namespace"
+            assert f"-{worker_id}-" in smol_vm.name and "bogus" not in smol_vm.name
+            print("DIGEST", smol_vm.digest)
+    """)
+    result = pytester.runpytest_subprocess("-n", "2", "-s", "-rA")
+    result.assert_outcomes(passed=6)
+    digests = {line.split()[-1] for line in result.stdout.lines if "DIGEST sha256:" in line}
+    assert len(digests) <= 1  # one baseline for the whole run (xdist may swallow -s output)
+    result.stdout.fnmatch_lines(["smolvm: backend namespace (isolation: namespace;*"])
+
+
+def test_a_bad_baseline_is_one_error_and_the_run_stops(pytester: pytest.Pytester, smol_state: Path,
+                                                       tmp_path: Path) -> None:
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"not a tar at all" * 100)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(5))
+        def test_guest(smol_vm, i):
+            pass
+    """)
+    result = pytester.runpytest_subprocess(f"--smol-baseline={broken}")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*--smol-baseline={broken}: *"])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_a_backend_close_that_raises_is_reported_not_an_internal_error(
+        pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeconftest("""
+        from pytest_smolvm.backends.namespace import NamespaceBackend
+
+        original = NamespaceBackend.close
+
+        def close(self):
+            original(self)
+            raise RuntimeError("the engine refused to close")
+
+        NamespaceBackend.close = close
+    """)
+    pytester.makepyfile("def test_guest(smol_vm):\n    assert smol_vm.exec('true').exit_code == 0\n")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["*teardown problem*RuntimeError: the engine refused to close*"])
+
+
+def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -> None:
+    import threading
+
+    from pytest_smolvm import registry
+    from pytest_smolvm.plan import Planner
+    from pytest_smolvm.pool import GuestPool, SmolVMWarning
+    from pytest_smolvm.settings import MarkerSpec, Settings
+
+    planner = Planner(Settings(backend="namespace"), "r" * 32, "main")
+    pool = GuestPool(Settings(backend="namespace"), planner, run_id="r" * 32, worker="main")
+    live = pool.create("test_hang", MarkerSpec())
+    release = threading.Event()
+    real_destroy = live.guest.destroy
+    live.guest.destroy = lambda: release.wait(30)  # type: ignore[method-assign]
+    pool.destroy_timeout = 0.5
+    with pytest.warns(SmolVMWarning, match="did not finish within 0.5s"):
+        assert pool.destroy(live) is False
+    assert [r.name for r in registry.records()] == [live.vm.name]  # the record stays for the reaper
+    release.set()
+    real_destroy()
+    live.record.remove()
+    assert pool.close() == [] and planner.close() == []
+
+
+def test_probe_failures_expire_and_sdk_set_variables_do_not_change_the_key(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pytest_smolvm import probe
+
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SMOLVM_SECCOMP", raising=False)
+    key = probe.cache_key()
+    monkeypatch.setenv("SMOLVM_SECCOMP", "enforce")  # what `import smol` does to os.environ
+    monkeypatch.setenv("SMOLVM_LANDLOCK", "enforce")
+    assert probe.cache_key() == key
+    probe._store(key, probe.BootReport(False, "no kvm", 0.1))
+    assert probe._load_cached(key) == probe.ProbeResult(False, "no kvm")
+    later = time.time() + probe.FAILURE_TTL + 60
+    monkeypatch.setattr(probe.time, "time", lambda: later)
+    assert probe._load_cached(key) is None  # minutes later the host is asked again
+    probe._store(key, probe.BootReport(True, "booted", 0.1))
+    assert probe._load_cached(key) == probe.ProbeResult(True, "booted")  # a success holds for the boot
+
+
+def test_liveness_without_proc_uses_ps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no /proc: a live owner must still look alive there, and a dead one dead."""
+    import subprocess
+    import sys
+
+    from pytest_smolvm import procs
+
+    monkeypatch.setattr(procs, "HAVE_PROC", False)
+    me = procs.process_start_time(os.getpid())
+    assert me is not None and procs.is_alive(os.getpid(), me)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert procs.process_start_time(child.pid) is None
+    assert not procs.is_alive(os.getpid(), me - 3600)  # same pid, another start: a reused pid
