@@ -65,21 +65,30 @@ def test_the_image_config_reaches_the_guest(pytester: pytest.Pytester, smol_stat
     result.assert_outcomes(passed=2)
 
 
-def test_pull_errors_are_one_line_usage_errors(pytester: pytest.Pytester, smol_state: Path,
-                                               oci_registry: Images, oci_cache: Path) -> None:
-    pytester.makepyfile(test_x="def test_x(smol_vm): pass")
+def _stops_with_one_line(result: pytest.RunResult, message: str) -> None:
+    """The plan is made at the first guest: its error is that test's one-line setup error, and the run stops."""
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.INTERRUPTED, out
+    assert message in result.stdout.lines, out  # the error report: the message alone on its line
+    assert "Traceback" not in out and "Error:" not in out.replace("ERROR at setup", ""), out
+
+
+def test_pull_errors_are_one_line_errors(pytester: pytest.Pytester, smol_state: Path,
+                                         oci_registry: Images, oci_cache: Path) -> None:
+    pytester.makepyfile(test_x="def test_x(smol_vm): pass\ndef test_y(smol_vm): pass")
     image = f"{oci_registry.host}/acc/alpine:missing"
     result = pytester.runpytest_subprocess("--smol-backend=namespace", f"--smol-baseline={image}")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    errors = [line for line in result.stderr.lines if line.startswith("ERROR:")]
-    assert errors == [f"ERROR: --smol-baseline={image}: no such image on {oci_registry.host} "
-                      "(HTTP 404 for acc/alpine missing): check the name and tag"], result.stderr.str()
-    assert "Traceback" not in result.stderr.str()
+    _stops_with_one_line(result, f"--smol-baseline={image}: no such image on {oci_registry.host} "
+                                 "(HTTP 404 for acc/alpine missing): check the name and tag")
     pytester.makeini("[pytest]\nsmol_baseline = nosuchimage.invalid/acc/alpine:1\nsmol_offline = true\n")
     result = pytester.runpytest_subprocess("--smol-backend=namespace")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: smol_baseline=nosuchimage.invalid/acc/alpine:1: tag 1 is not in the cache "
-                                 "and --smol-offline forbids pulling*"])
+    _stops_with_one_line(result, "smol_baseline=nosuchimage.invalid/acc/alpine:1: tag 1 is not in the cache and "
+                                 "--smol-offline forbids pulling (pre-pull it: pytest-smolvm pull "
+                                 "nosuchimage.invalid/acc/alpine:1)")
+    pytester.makeini("[pytest]\n")
+    result = pytester.runpytest_subprocess("--smol-backend=namespace", "--smol-baseline=Acc/Alpine:1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR  # a malformed name is caught at startup
+    result.stderr.fnmatch_lines(["ERROR: --smol-baseline=Acc/Alpine:1: not an image reference*"])
     assert no_partial_files(oci_cache) == []
 
 
