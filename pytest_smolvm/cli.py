@@ -89,7 +89,7 @@ def _pull(args: argparse.Namespace) -> int:
 
             parse_auth_option(args.registry_auth, "--registry-auth")
         pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
-        rootfs = baseline.unpack(pinned)
+        rootfs = baseline.unpack(pinned, by="pytest-smolvm pull")
     except UsageError as exc:
         print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {args.image}"),
               file=sys.stderr)
