@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
-from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
@@ -184,7 +184,9 @@ class SmolGuest:
     # ---------------------------------------------------------------- exec
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
-             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        _no_user_yet(user)
         with self._lock:
             return self._exec_locked(list(argv), env=env, workdir=workdir, stdin=stdin,
                                      timeout=timeout, output_limit=output_limit)
@@ -293,7 +295,8 @@ class SmolGuest:
         except SmolError as exc:
             raise GuestError(f"write_file {path} in {self.name}: {_describe(exc)}") from exc
 
-    def write_file(self, path: str, data: bytes, mode: int | None) -> None:
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
+        _no_user_yet(user)
         parent = posixpath.dirname(path)
         with self._lock:
             if parent not in ("", "/"):
@@ -301,16 +304,19 @@ class SmolGuest:
                 self._sh('mkdir -p -- "$1"', parent, what=f"write_file {path}: mkdir")
             self._sdk_write(path, data, mode)
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
         from smol import SmolError
 
+        _no_user_yet(user)
         with self._lock:
             try:
                 return self._machine.read_file(path)
             except SmolError as exc:
                 raise GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
 
-    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        _no_user_yet(user)
         with tempfile.TemporaryFile() as spool:
             produce(spool)
             spool.seek(0)
@@ -321,9 +327,11 @@ class SmolGuest:
             self._sh('mkdir -p -- "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2"; exit $rc',
                      guest_dir, staged, what=f"copy_in to {guest_dir}")
 
-    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         from smol import SmolError
 
+        _no_user_yet(user)
         normalized = posixpath.normpath(guest_path)
         parent, base = posixpath.split(normalized)
         if not base:  # "/" itself
@@ -391,6 +399,11 @@ class SmolGuest:
         except Exception as exc:  # logs must never stop a delete
             self._captured_logs = f"(logs could not be read before delete: {exc})"
         delete_machine(self._machine, self.name, self._target)
+
+
+def _no_user_yet(user: str | None) -> None:
+    if user is not None:
+        raise UsageError(f"user={user!r}: the smol backend cannot switch guest users yet")
 
 
 def delete_machine(machine: Machine, name: str, target: str) -> None:
