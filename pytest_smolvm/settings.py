@@ -166,7 +166,7 @@ def byte_size(name: str, value: Any) -> int:
     else:
         raise UsageError(f"{name}={value!r}: expected a byte count like 1048576, 64k or 16m")
     if number <= 0:
-        raise UsageError(f"{name}={value!r}: expected a positive byte count")
+        raise UsageError(f"{name}={value}: expected a positive byte count")
     return number
 
 
