@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from pytest_smolvm.errors import UsageError
-from pytest_smolvm.vm import DEFAULT_OUTPUT_LIMIT
 
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
 MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit")
+DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
 SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.

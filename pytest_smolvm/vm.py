@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 from pytest_smolvm.errors import ExecError, GuestError
+from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT
 
 if TYPE_CHECKING:
     from pytest_smolvm.aio import AsyncVM
     from pytest_smolvm.backends import Cancel, Guest, OutputCallback
 
-DEFAULT_OUTPUT_LIMIT = 16 << 20  # per stream; beyond it the middle is dropped with a marker
 DEFAULT_READ_LIMIT = 64 << 20  # read_file's cap unless max_bytes says otherwise
 TRANSCRIPT_TAIL = 2000
 PAYLOAD = "payload"
