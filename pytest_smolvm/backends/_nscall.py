@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from pytest_smolvm.backends import Cancel, OutputCallback
+from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.errors import GuestError, GuestUserError
 
 # Beyond this a request goes as a memfd: a SOCK_SEQPACKET message must fit the socket's
@@ -62,34 +63,6 @@ class Channel:
 
     def close(self) -> None:
         self._ctl.close()
-
-
-class BoundedBuffer:
-    """Keeps the head and the tail of a stream; what falls between is counted, not kept."""
-
-    def __init__(self, limit: int) -> None:
-        self.half = max(limit // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def add(self, data: bytes) -> None:
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            excess = len(self.tail) - self.half
-            if excess > 0:
-                del self.tail[:excess]
-                self.dropped += excess
-
-    def value(self) -> bytes:
-        if not self.dropped:
-            return bytes(self.head + self.tail)
-        marker = f"\n[pytest-smolvm: {self.dropped} bytes of output truncated]\n".encode()
-        return bytes(self.head) + marker + bytes(self.tail)
 
 
 @dataclass(frozen=True)

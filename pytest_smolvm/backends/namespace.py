@@ -22,7 +22,8 @@ from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
 from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
-from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, BoundedBuffer, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
