@@ -170,6 +170,7 @@ def _mount_root(req: dict[str, Any]) -> str:
     _mount("smolvm-shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
     for sub in ("proc", "tmp", "workspace"):  # /workspace: as on every smol machine
         os.makedirs(os.path.join(root, sub), exist_ok=True)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)  # as a smol machine's tmpfs /tmp: every guest user may write
     return root
 
 
@@ -312,7 +313,9 @@ class Init:
             self.handle(message, fds)
         except Exception as exc:
             if len(fds) > 3:
-                _report(fds[3], {"error": {"message": f"bad request: {type(exc).__name__}: {exc}"}})
+                error = (_error(exc, None, str(message.get("op"))) if isinstance(exc, OSError)  # fork: EAGAIN
+                         else {"message": f"bad request: {type(exc).__name__}: {exc}"})
+                _report(fds[3], {"error": error})
             for fd in fds:
                 try:
                     os.close(fd)
@@ -336,6 +339,8 @@ class Init:
             _report(fds[0], {"ok": True})
             os.close(fds[0])
             return
+        if len(fds) != 4:
+            raise ValueError(f"{op} needs 4 fds (stdin, stdout, stderr, status), got {len(fds)}")
         if op == "exec" and message.get("user") is None:
             self.spawn(message, fds)
             return
@@ -505,7 +510,12 @@ def _become(message: dict[str, Any]) -> None:
     """Switch this request's child to the request's user: groups, gid, uid, and its HOME."""
     name, uid, gid, groups, home = _lookup_user(message["user"])
     try:
-        if (uid, gid) != (os.getuid(), os.getgid()) or groups != sorted({gid, *os.getgroups()}):
+        if (uid, gid) == (os.getuid(), os.getgid()):
+            try:
+                os.setgroups(groups)
+            except PermissionError:
+                pass  # already this user; a user namespace that maps only root cannot set groups
+        else:
             os.setgroups(groups)
             os.setgid(gid)
             os.setuid(uid)

@@ -90,6 +90,7 @@ def test_exec_as_a_user_by_name_and_by_uid(make_guest: MakeGuest) -> None:
     assert vm.exec(script, user=str(AGENT_UID), workdir="/home/agent", check=True).stdout == by_name.stdout
     assert vm.exec("echo $HOME", user="agent", env={"HOME": "/custom"}).stdout == "/custom\n"
     assert vm.exec("id -u").stdout == "0\n"  # root stays the default
+    vm.exec("mkdir -p /tmp/agent-scratch && echo x > /tmp/agent-scratch/f", user="agent", check=True)  # 1777 /tmp
     denied = vm.exec("cat /root/secret", user="agent")
     assert denied.exit_code != 0 and "ermission denied" in denied.stderr
     with pytest.raises(GuestUserError, match="nosuchuser"):
