@@ -88,14 +88,31 @@ def too_big(size: int, arg_max: int, program: str) -> OSError:
                                 "per argument or env entry", program)
 
 
+def _status(data: bytes, name: str) -> dict[str, Any]:
+    """One status message. The init writes them, but a request's child (in the guest) can too:
+    anything malformed is the guest's fault, reported as a broken guest, never a crash here."""
+    try:
+        reply = json.loads(data)
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
+        for key in ("pid", "exit"):
+            if key in reply:
+                reply[key] = int(reply[key])
+    except (ValueError, TypeError) as exc:
+        raise GuestError(f"guest {name} sent a malformed status message: {exc}") from None
+    return reply
+
+
 def raise_error(error: dict[str, Any], name: str, what: str) -> None:
     """Turn a structured refusal from the guest into the exception a caller branches on."""
     if "user" in error:
         raise GuestUserError(str(error["user"]))
-    if "errno" not in error:
-        raise GuestError(f"{what} in {name}: {error.get('message', error)}")
-    number = int(error["errno"])
-    raise OSError(number, str(error.get("strerror") or os.strerror(number)), error.get("filename"))
+    number = error.get("errno")
+    if not isinstance(number, int):
+        raise GuestError(f"{what} in {name}: {str(error.get('message', error))[:2000]}")
+    filename = error.get("filename")
+    raise OSError(number, str(error.get("strerror") or os.strerror(number))[:2000],
+                  filename if isinstance(filename, str) else None)
 
 
 def run(channel: Channel, message: dict[str, Any], *, name: str, stdin: bytes | IO[bytes] | None,
@@ -225,14 +242,14 @@ class _Call:
                         status_open = False
                         self.poller.unregister(fd)
                         continue
-                    reply = json.loads(data)
+                    reply = _status(data, self.name)
                     if "pid" in reply:
                         self.pid = int(reply["pid"])
                         if self.kill_pending:
                             self.kill()
                     if "exit" in reply:
                         exit_code = int(reply["exit"])
-                    if "error" in reply:
+                    if isinstance(reply.get("error"), dict):
                         error = reply["error"]
                 elif fd == self.wake_r:
                     try:

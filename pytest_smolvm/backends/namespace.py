@@ -130,7 +130,8 @@ class NamespaceGuest:
                   timeout=timeout, on_output=on_output, cancel=cancel)
         if out.error is not None:
             if out.error.get("errno") == errno.E2BIG:
-                raise too_big(size, int(out.error.get("arg_max") or 0), argv[0])
+                arg_max = out.error.get("arg_max")
+                raise too_big(size, arg_max if isinstance(arg_max, int) else os.sysconf("SC_ARG_MAX"), argv[0])
             raise_error(out.error, self.name, "exec")
         return GuestExecResult(out.exit_code, out.stdout, out.stderr, out.timed_out, out.truncated, out.cancelled)
 
