@@ -188,6 +188,26 @@ class SmolGuest:
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
              stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
              on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        smol_handle.check_arg_size(argv, {**self._env, **env})
+        try:
+            result = self._exec_any(argv, env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                                    output_limit=output_limit, user=user, on_output=on_output, cancel=cancel)
+        except GuestError as exc:
+            # The engine reports a workdir it cannot enter as a failed exec: say which.
+            refused = smol_handle.classify(self._raw_exec, workdir, "dir", user) if workdir else None
+            raise refused or exc from None
+        if result.exit_code in (126, 127) and not result.timed_out and not result.cancelled:
+            # Like subprocess: an argv whose program is missing or not executable raises. A
+            # shell string's argv[0] is /bin/sh, which is there: its 127/126 stay.
+            refused = smol_handle.program_error(self._raw_exec, argv[0], env={**self._env, **env},
+                                                workdir=workdir, user=user)
+            if refused is not None:
+                raise refused
+        return result
+
+    def _exec_any(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+                  stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None,
+                  on_output: OutputCallback | None, cancel: Cancel | None) -> GuestExecResult:
         if user is not None or on_output is not None or cancel is not None:
             full_env = {**self._env, **env}
             if user is not None:
@@ -203,13 +223,6 @@ class SmolGuest:
                                            timeout=timeout, output_limit=output_limit, scratch=scratch)
             finally:
                 self._free_scratch.append(scratch)
-        if result.exit_code in (126, 127) and not result.timed_out and not result.cancelled:
-            # Like subprocess: an argv whose program is missing or not executable raises. A
-            # shell string's argv[0] is /bin/sh, which is there: its 127/126 stay.
-            refused = smol_handle.program_error(self._raw_exec, argv[0], env={**self._env, **env},
-                                                workdir=workdir, user=user)
-            if refused is not None:
-                raise refused
         return result
 
     def _take_scratch(self) -> str:
@@ -384,10 +397,15 @@ class SmolGuest:
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
         try:
             try:
-                self._sh('tar -cf "$1" -C "$2" -- "$3"', staged, parent or "/", base,
-                         what=f"copy_out of {guest_path}", user=user)
+                # A member the user may not read fails tar as a whole: exit 13 says so.
+                self._sh('e=$(tar -cf "$1" -C "$2" -- "$3" 2>&1) && exit 0; echo "$e" | tail -n 3 >&2; '
+                         'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1',
+                         staged, parent or "/", base, what=f"copy_out of {guest_path}", user=user)
             except GuestError as exc:
-                raise smol_handle.classify(self._raw_exec, guest_path, "read", user) or exc from None
+                refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
+                if refused is None and "Permission denied" in str(exc):
+                    refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
+                raise refused or exc from None
             try:
                 data = self._machine.read_file(staged)
             except SmolError as exc:

@@ -35,8 +35,9 @@ TIMEOUT_EXIT = 124
 KILLED_EXITS = frozenset({TIMEOUT_EXIT, 128 + 9, 128 + 15, -9, -15})
 USER_HINTS = ("user", "passwd", "uid")
 
-# Exit status = the errno of what is wrong with path $1 for operation $2 (read|write), 0 if
-# nothing is. Runs as the operation's user, so -r/-w answer for that user.
+# Exit status = the errno of what is wrong with path $1 for operation $2 (read, write, tree:
+# archive it, dir: enter it), 0 if nothing is. Runs as the operation's user, so -r/-w/-x
+# answer for that user.
 CLASSIFY_SCRIPT = r"""
 p=$1 op=$2 d=$(dirname -- "$1")
 while [ "$d" != / ] && [ ! -e "$d" ]; do d=$(dirname -- "$d"); done
@@ -44,10 +45,16 @@ case "$p" in */) p=${p%/};; esac
 q=$(dirname -- "$p")
 [ -e "$q" ] && [ ! -d "$q" ] && exit 20
 [ -d "$d" ] || exit 20
+if [ "$op" = dir ]; then
+  [ -e "$p" ] || exit 2; [ -d "$p" ] || exit 20; [ -x "$p" ] || exit 13; exit 0
+fi
 if [ ! -e "$p" ]; then
-  [ "$op" = read ] && exit 2
+  [ "$op" = write ] || exit 2
   [ -w "$d" ] || exit 13
   exit 0
+fi
+if [ "$op" = tree ]; then
+  [ -r "$p" ] || exit 13; [ -d "$p" ] && { [ -x "$p" ] || exit 13; }; exit 0
 fi
 [ -d "$p" ] && exit 21
 [ "$op" = read ] && { [ -r "$p" ] || exit 13; }
@@ -203,6 +210,22 @@ exit 0
 """
 
 
+GUEST_ARG_MAX = 2 << 20  # a Linux guest's ARG_MAX under the default 8 MiB stack
+
+
+def check_arg_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Refuse, as execve would with E2BIG, what no Linux guest with a default stack accepts.
+
+    Checked here because the engine reports a failed execve as a generic error, if at all.
+    """
+    from pytest_smolvm.backends._nscall import MAX_ARG_STRLEN, argv_size, too_big
+
+    size = argv_size(argv, dict(env))
+    longest = max((len(a.encode()) + 1 for a in [*argv, *(f"{k}={v}" for k, v in env.items())]), default=0)
+    if size > GUEST_ARG_MAX or longest > MAX_ARG_STRLEN:
+        raise too_big(size, GUEST_ARG_MAX, argv[0])
+
+
 def program_error(run: Runner, program: str, *, env: Mapping[str, str], workdir: str | None,
                   user: str | None) -> OSError | None:
     """After an exit of 126/127: the OSError subprocess would raise for ``program``, if any.
@@ -222,7 +245,7 @@ def program_error(run: Runner, program: str, *, env: Mapping[str, str], workdir:
 
 
 def classify(run: Runner, path: str, op: str, user: str | None) -> OSError | None:
-    """The OSError the failed ``op`` (read|write) of ``path`` stands for, or None if no check finds one."""
+    """The OSError the failed ``op`` of ``path`` stands for, or None if no check finds one."""
     try:
         result = run(["/bin/sh", "-c", CLASSIFY_SCRIPT, "pytest-smolvm", path, op], env={}, workdir=None,
                      timeout=60, user=user)
