@@ -257,10 +257,18 @@ def classify(run: Runner, path: str, op: str, user: str | None) -> OSError | Non
     return None
 
 
+def _run_as(run: Runner, command: list[str], *, user: str, name: str, stdin: str | None = None) -> Any:
+    from smol import SmolError
+
+    try:
+        return run(command, env={}, workdir=None, timeout=600, user=user, stdin=stdin)
+    except SmolError as exc:
+        raise _exec_error(exc, name, user) from exc
+
+
 def read_as(run: Runner, path: str, *, user: str, max_bytes: int | None, name: str) -> bytes:
     limit = max_bytes if max_bytes is not None else 1 << 62
-    result = run(["/bin/sh", "-c", READ_SCRIPT, "pytest-smolvm", path, str(limit)], env={}, workdir=None,
-                 timeout=600, user=user)
+    result = _run_as(run, ["/bin/sh", "-c", READ_SCRIPT, "pytest-smolvm", path, str(limit)], user=user, name=name)
     if result.exit_code == errno.EFBIG:
         raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes}", path)
     if result.exit_code != 0:
@@ -274,8 +282,8 @@ def read_as(run: Runner, path: str, *, user: str, max_bytes: int | None, name: s
 
 def write_as(run: Runner, path: str, data: bytes, mode: int | None, *, user: str, name: str) -> None:
     encoded = base64.b64encode(data).decode("ascii")
-    result = run(["/bin/sh", "-c", WRITE_SCRIPT, "pytest-smolvm", path, "" if mode is None else f"{mode:o}"],
-                 env={}, workdir=None, timeout=600, user=user, stdin=encoded)
+    result = _run_as(run, ["/bin/sh", "-c", WRITE_SCRIPT, "pytest-smolvm", path, "" if mode is None else f"{mode:o}"],
+                     user=user, name=name, stdin=encoded)
     if result.exit_code != 0:
         raise classify(run, path, "write", user) or GuestError(
             f"write_file {path} in {name} as {user}: {result.stderr.strip() or f'exit {result.exit_code}'}")
