@@ -164,7 +164,8 @@ class NamespaceGuest:
             else:
                 chunks.append(data)
 
-        self._file_op({"op": "read", "path": path}, user=user, stdout_sink=keep, cancel=over)
+        # "limit": the guest side refuses early too where it knows how (hardened file ops).
+        self._file_op({"op": "read", "path": path, "limit": max_bytes}, user=user, stdout_sink=keep, cancel=over)
         if over.cancelled:
             raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes} "
                                        "(pass a larger max_bytes, or use copy_out)", path)
