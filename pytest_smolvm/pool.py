@@ -215,7 +215,9 @@ class GuestPool:
         record.data = guest.registry_data()
         record.save()
         vm = VM(guest, default_timeout=spec.timeout, backend=plan.backend, isolation=plan.isolation,
-                baseline=base.reference, digest=base.digest)
+                baseline=base.reference, digest=base.digest,
+                user=spec.user if spec.user is not None else self.settings.user,
+                output_limit=spec.output_limit or self.settings.output_limit)
         live = LiveGuest(vm, record, guest)
         self.live[name] = live
         return live

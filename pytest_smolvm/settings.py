@@ -19,7 +19,9 @@ BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
-MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit")
+DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
+SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
@@ -37,6 +39,11 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
     ("--smol-logs", "smol_logs",
      "which tests' guest logs and transcripts go to every report sink: failed or always. Default: failed."),
+    ("--smol-user", "smol_user",
+     "guest user (name or uid in the guest's /etc/passwd) every exec and file operation runs as. "
+     "Default: root."),
+    ("--smol-output-limit", "smol_output_limit",
+     "bytes of each exec's stdout and stderr kept (head and tail; suffix k, m or g). Default: 16m."),
 )
 
 
@@ -68,6 +75,8 @@ class Settings:
     results: Path | None = None
     artifacts: Path | None = None
     logs: str = "failed"
+    user: str | None = None
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
     registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used
@@ -105,6 +114,12 @@ class Settings:
         name, value, _ = get("smol_max_vms")
         if value is not None:
             settings = replace(settings, max_vms=_positive_int(name, value))
+        name, value, _ = get("smol_user")
+        if value is not None:
+            changes["user"] = _guest_user(name, value)
+        name, value, _ = get("smol_output_limit")
+        if value is not None:
+            changes["output_limit"] = byte_size(name, value)
         name, value, base = get("smol_baseline")
         if value is not None:
             from pytest_smolvm.baseline import check_reference
@@ -151,6 +166,31 @@ def _positive_int(name: str, value: Any) -> int:
     return number
 
 
+def _guest_user(name: str, value: Any) -> str | int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip() and ":" not in value and value == value.strip():
+        return value
+    raise UsageError(f"{name}={value!r}: expected a user name or uid known in the guest")
+
+
+def byte_size(name: str, value: Any) -> int:
+    """A positive byte count: an int, or a string like ``4096``, ``64k``, ``16m``, ``1g``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        digits, suffix = (text[:-1], text[-1]) if text[-1:] in SIZE_SUFFIXES else (text, "")
+        if not digits.isdigit():
+            raise UsageError(f"{name}={value}: expected a byte count like 1048576, 64k or 16m")
+        number = int(digits) * SIZE_SUFFIXES[suffix]
+    else:
+        raise UsageError(f"{name}={value!r}: expected a byte count like 1048576, 64k or 16m")
+    if number <= 0:
+        raise UsageError(f"{name}={value}: expected a positive byte count")
+    return number
+
+
 def _positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"{name}={value!r}: expected a positive number")
@@ -170,6 +210,8 @@ class MarkerSpec:
     allow_hosts: tuple[str, ...] = ()
     timeout: float | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    user: str | int | None = None  # None: --smol-user, else root
+    output_limit: int | None = None  # None: --smol-output-limit, else 16 MiB
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
         """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
@@ -180,7 +222,7 @@ class MarkerSpec:
         changes: dict[str, Any] = {}
         for key, value in overrides.items():
             label = f"{where}({key}=...)"
-            if value is None and key in ("image", "cpus", "memory_mb", "timeout"):
+            if value is None and key in ("image", "cpus", "memory_mb", "timeout", "user", "output_limit"):
                 changes[key] = None
             elif key == "image":
                 if not isinstance(value, str) or not value:
@@ -194,6 +236,10 @@ class MarkerSpec:
                 changes[key] = _positive_int(f"{where}(memory_mb)", value)
             elif key == "timeout":
                 changes[key] = _positive_number(f"{where}(timeout)", value)
+            elif key == "user":
+                changes[key] = _guest_user(f"{where}(user)", value)
+            elif key == "output_limit":
+                changes[key] = byte_size(f"{where}(output_limit)", value)
             elif key == "network":
                 if not isinstance(value, bool):
                     raise UsageError(f"{where}(network={value!r}): expected True or False")
@@ -221,6 +267,7 @@ def marker_spec(item: pytest.Item) -> MarkerSpec:
 
 
 MARKERS = (
-    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}): "
+    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
+    "user=None, output_limit=None): "
     "guest settings for this test's smol_vm (pytest-smolvm)",
 )
