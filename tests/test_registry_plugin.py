@@ -55,11 +55,12 @@ def test_the_image_config_reaches_the_guest(pytester: pytest.Pytester, smol_stat
 
         @pytest.mark.smol(image="{oci_registry.host}/acc/layers:1")
         def test_env_and_workdir(smol_vm):
-            result = smol_vm.exec("echo $GREETING; pwd; cat hello.txt")
-            assert result.stdout == "hello from the image\\n/srv/app\\nfrom layer two\\n"
+            result = smol_vm.exec("echo $GREETING; pwd; cat hello.txt; id -un")
+            assert result.stdout == "hello from the image\\n/srv/app\\nfrom layer two\\nnobody\\n"  # User too
+            assert smol_vm.exec("id -un", user="root").stdout == "root\\n"
 
         def test_the_default_baseline_is_untouched(smol_vm):
-            assert smol_vm.exec("echo $GREETING; pwd").stdout == "\\n/\\n"
+            assert smol_vm.exec("echo $GREETING; pwd; id -un").stdout == "\\n/\\nroot\\n"
     """)
     result = pytester.runpytest_subprocess("--smol-backend=namespace", "-n", "2")
     result.assert_outcomes(passed=2)

@@ -110,6 +110,9 @@ class NamespaceGuest:
         self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
         self._spec_env_keys = set(spec_env)
         self.workdir = rootfs.workdir or "/"
+        # The image config's User ("name", "uid", "name:group"): the user of every call that names
+        # none. The group part is not honoured separately: the user's own groups apply.
+        self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
 
     # ---------------------------------------------------------------- the Guest protocol
@@ -120,6 +123,7 @@ class NamespaceGuest:
         full_env = {**self._env, **env}
         message: dict[str, Any] = {"op": "exec", "argv": list(argv), "env": full_env,
                                    "cwd": workdir or self.workdir}
+        user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
             message["explicit"] = sorted({*self._spec_env_keys, *env})  # HOME etc. the caller set
@@ -137,6 +141,7 @@ class NamespaceGuest:
 
     def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
                  stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None) -> None:
+        user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
         result = run(self._channel, message, name=self.name, stdin=stdin, output_limit=1 << 16,
