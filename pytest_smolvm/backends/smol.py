@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from pytest_smolvm import hostfs
-from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
+from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec, smol_handle
 from pytest_smolvm.backends.namespace import _BoundedBuffer
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
@@ -175,6 +176,7 @@ class SmolGuest:
         self._on_release = on_release  # tells the backend this guest is gone (False) or kept (True)
         self.kept = False
         self._lock = threading.Lock()
+        self._free_scratch: list[str] = []  # exec plumbing file prefixes no call is using (list ops are atomic)
         self._destroyed = False
         self._captured_logs: str | None = None
 
@@ -185,21 +187,62 @@ class SmolGuest:
     # ---------------------------------------------------------------- exec
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
-             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
-        with self._lock:
-            return self._exec_locked(list(argv), env=env, workdir=workdir, stdin=stdin,
-                                     timeout=timeout, output_limit=output_limit)
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        smol_handle.check_arg_size(argv, {**self._env, **env})
+        try:
+            result = self._exec_any(argv, env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                                    output_limit=output_limit, user=user, on_output=on_output, cancel=cancel)
+        except GuestError as exc:
+            # The engine reports a workdir it cannot enter as a failed exec: say which.
+            refused = smol_handle.classify(self._raw_exec, workdir, "dir", user) if workdir else None
+            raise refused or exc from None
+        if result.exit_code in (126, 127) and not result.timed_out and not result.cancelled:
+            # Like subprocess: an argv whose program is missing or not executable raises. A
+            # shell string's argv[0] is /bin/sh, which is there: its 127/126 stay.
+            refused = smol_handle.program_error(self._raw_exec, argv[0], env={**self._env, **env},
+                                                workdir=workdir, user=user)
+            if refused is not None:
+                raise refused
+        return result
+
+    def _exec_any(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+                  stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None,
+                  on_output: OutputCallback | None, cancel: Cancel | None) -> GuestExecResult:
+        if user is not None or on_output is not None or cancel is not None:
+            full_env = {**self._env, **env}
+            if user is not None:
+                user, home = smol_handle.resolve_user(self._machine, user, self.name)
+                full_env = smol_handle.user_env(full_env, {*self._env, *env}, user, home)
+            result = smol_handle.stream_exec(
+                self._machine, self._raw_exec, argv, name=self.name, env=full_env, workdir=workdir, stdin=stdin,
+                timeout=timeout, output_limit=output_limit, user=user, on_output=on_output, cancel=cancel)
+        else:
+            scratch = self._take_scratch()  # calls from several threads each have their own files
+            try:
+                result = self._exec_locked(list(argv), env=env, workdir=workdir, stdin=stdin,
+                                           timeout=timeout, output_limit=output_limit, scratch=scratch)
+            finally:
+                self._free_scratch.append(scratch)
+        return result
+
+    def _take_scratch(self) -> str:
+        try:
+            return self._free_scratch.pop()
+        except IndexError:
+            return f"{SCRATCH}-{uuid.uuid4().hex[:12]}"
 
     def _exec_locked(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
-                     stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+                     stdin: bytes | None, timeout: float | None, output_limit: int,
+                     scratch: str = SCRATCH) -> GuestExecResult:
         from smol import SmolError
 
         stdin_path = ""
         if stdin:
-            stdin_path = f"{SCRATCH}.in"
+            stdin_path = f"{scratch}.in"
             self._sdk_write(stdin_path, stdin, None)
         limit = max(int(output_limit), 2)
-        command = ["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "run", SCRATCH, str(limit), stdin_path,
+        command = ["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "run", scratch, str(limit), stdin_path,
                    *argv]
         started = time.monotonic()
         timed_out = False
@@ -223,7 +266,7 @@ class SmolGuest:
             # The killed wrapper never shortened its files: do it now so a chatty command that
             # ran until the deadline cannot send gigabytes back.
             try:
-                trimmed = self._raw_exec(["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "trim", SCRATCH,
+                trimmed = self._raw_exec(["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "trim", scratch,
                                           str(limit), stdin_path], env={}, workdir=None, timeout=60)
                 report = trimmed.stdout
             except SmolError:
@@ -231,16 +274,17 @@ class SmolGuest:
         dropped = [int(x) for x in report.split() if x.isdigit()][-2:] or [0, 0]
         while len(dropped) < 2:
             dropped.append(0)
-        stdout = self._read_output(f"{SCRATCH}.out", limit, dropped[0], required=not timed_out)
-        stderr = self._read_output(f"{SCRATCH}.err", limit, dropped[1], required=False)
-        return GuestExecResult(exit_code, stdout, stderr, timed_out)
+        stdout = self._read_output(f"{scratch}.out", limit, dropped[0], required=not timed_out)
+        stderr = self._read_output(f"{scratch}.err", limit, dropped[1], required=False)
+        truncated = tuple(stream for stream, lost in zip(("stdout", "stderr"), dropped[:2], strict=True) if lost)
+        return GuestExecResult(exit_code, stdout, stderr, timed_out, truncated)
 
     def _raw_exec(self, command: list[str], *, env: Mapping[str, str], workdir: str | None,
-                  timeout: float | None) -> Any:
+                  timeout: float | None, user: str | None = None, stdin: str | None = None) -> Any:
         """One SDK exec, with a host-side cancel in case the guest agent never enforces the timeout."""
         from smol import ExecOptions
 
-        opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout)
+        opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout, user=user, stdin=stdin)
         make = getattr(self._machine, "_exec_cancellable", None)
         if timeout is None or make is None:
             return self._machine.exec(command, opts)
@@ -271,13 +315,13 @@ class SmolGuest:
         buffer.dropped += dropped
         return buffer.value()
 
-    def _sh(self, script: str, *args: str, what: str) -> None:
+    def _sh(self, script: str, *args: str, what: str, user: str | None = None) -> None:
         """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
         from smol import SmolError
 
         try:
             result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
-                                    workdir=None, timeout=PLUMBING_TIMEOUT)
+                                    workdir=None, timeout=PLUMBING_TIMEOUT, user=user)
         except SmolError as exc:
             raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
         if result.exit_code != 0:
@@ -294,57 +338,82 @@ class SmolGuest:
         except SmolError as exc:
             raise GuestError(f"write_file {path} in {self.name}: {_describe(exc)}") from exc
 
-    def write_file(self, path: str, data: bytes, mode: int | None) -> None:
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+            smol_handle.write_as(self._raw_exec, path, data, mode, user=user, name=self.name)
+            return
         parent = posixpath.dirname(path)
-        with self._lock:
+        try:
             if parent not in ("", "/"):
                 # The SDK's write_file does not create parent directories.
                 self._sh('mkdir -p -- "$1"', parent, what=f"write_file {path}: mkdir")
             self._sdk_write(path, data, mode)
+        except GuestError as exc:
+            raise smol_handle.classify(self._raw_exec, path, "write", None) or exc from None
 
-    def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
-        """The SDK fetches the file whole; ``max_bytes`` (see VM.read_file) is checked right after."""
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
         from smol import SmolError
 
-        with self._lock:
-            try:
-                data = self._machine.read_file(path)
-            except SmolError as exc:
-                raise GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
-        if max_bytes is not None and len(data) > max_bytes:
-            raise GuestError(f"read_file {path} in {self.name}: more than {max_bytes} bytes (max_bytes); refused")
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+            return smol_handle.read_as(self._raw_exec, path, user=user, max_bytes=max_bytes, name=self.name)
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            refused = smol_handle.classify(self._raw_exec, path, "read", None)
+            raise refused or GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
+        if max_bytes is not None and len(data) > max_bytes:  # the SDK reads whole files: checked after
+            raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes}", path)
         return data
 
-    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         with tempfile.TemporaryFile() as spool:
             produce(spool)
             spool.seek(0)
             data = spool.read()
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
-        with self._lock:
-            self._sdk_write(staged, data, 0o600)
+        self._sdk_write(staged, data, 0o600 if user is None else 0o644)  # the user's tar reads it
+        try:
             self._sh('mkdir -p -- "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2"; exit $rc',
-                     guest_dir, staged, what=f"copy_in to {guest_dir}")
+                     guest_dir, staged, what=f"copy_in to {guest_dir}", user=user)
+        except GuestError as exc:
+            with contextlib.suppress(GuestError):
+                self._sh('rm -f -- "$1"', staged, what="copy_in cleanup")
+            raise smol_handle.classify(self._raw_exec, guest_dir, "write", user) or exc from None
 
-    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         from smol import SmolError
 
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
         normalized = posixpath.normpath(guest_path)
         parent, base = posixpath.split(normalized)
         if not base:  # "/" itself
             parent, base = "/", "."
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
-        with self._lock:
+        try:
             try:
-                self._sh('tar -cf "$1" -C "$2" -- "$3"', staged, parent or "/", base,
-                         what=f"copy_out of {guest_path}")
-                try:
-                    data = self._machine.read_file(staged)
-                except SmolError as exc:
-                    raise GuestError(f"copy_out of {guest_path} in {self.name}: {_describe(exc)}") from exc
-            finally:
-                with contextlib.suppress(GuestError):
-                    self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
+                # A member the user may not read fails tar as a whole: exit 13 says so.
+                self._sh('e=$(tar -cf "$1" -C "$2" -- "$3" 2>&1) && exit 0; echo "$e" | tail -n 3 >&2; '
+                         'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1',
+                         staged, parent or "/", base, what=f"copy_out of {guest_path}", user=user)
+            except GuestError as exc:
+                refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
+                if refused is None and "Permission denied" in str(exc):
+                    refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
+                raise refused or exc from None
+            try:
+                data = self._machine.read_file(staged)
+            except SmolError as exc:
+                raise GuestError(f"copy_out of {guest_path} in {self.name}: {_describe(exc)}") from exc
+        finally:
+            with contextlib.suppress(GuestError):
+                self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
         # BusyBox tar cannot rename members, so the renaming to ``arcname`` happens here.
         with tempfile.TemporaryFile() as renamed:
             _rename_members(io.BytesIO(data), renamed, base, arcname)
