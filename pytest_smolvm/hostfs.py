@@ -72,6 +72,10 @@ class BoundedReader:
         except (AttributeError, OSError, ValueError):
             self._fd = -1
 
+    @property
+    def is_pipe(self) -> bool:
+        return self._fd >= 0
+
     def read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
             size = CHUNK
@@ -421,7 +425,10 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
                            timeout=caps.timeout, what=policy.what)
     extractor = Extractor(dest, policy, caps)
     try:
-        with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK) as tar:  # type: ignore[call-overload]
+        # Big reads from a pipe (a guest's stream: fewer polls); tarfile's own record size from a
+        # file, so a layer's reader stops where the archive ends (a digest check follows it).
+        bufsize = CHUNK if reader.is_pipe else tarfile.RECORDSIZE
+        with tarfile.open(fileobj=reader, mode="r|", bufsize=bufsize) as tar:  # type: ignore[call-overload]
             extractor.run(tar)
     except tarfile.TarError as exc:
         raise UnsafeArchive(f"{policy.what}: not a readable tar stream: {exc}") from exc

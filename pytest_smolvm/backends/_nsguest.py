@@ -680,7 +680,8 @@ def _op_read(message: dict[str, Any]) -> int:
                 return 0
             sent += len(chunk)
             if limit and sent > limit:
-                raise OSError(errno.EFBIG, f"larger than {limit} bytes (max_bytes)", message["path"])
+                raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={limit} "
+                                           "(pass a larger max_bytes, or use copy_out)", message["path"])
             dst.write(chunk)
 
 
