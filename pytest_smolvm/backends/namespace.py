@@ -8,6 +8,7 @@ per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -299,7 +300,7 @@ def _noting_oom(result: GuestExecResult, kills: int) -> GuestExecResult:
         return result
     note = (f"\npytest-smolvm: the guest ran out of memory: the kernel killed {kills} process(es) "
             "(OOM; raise memory_mb in @pytest.mark.smol)\n").encode()
-    return GuestExecResult(result.exit_code, result.stdout, result.stderr + note, result.timed_out)
+    return dataclasses.replace(result, stderr=result.stderr + note)
 
 
 def destroy_recorded(data: Mapping[str, Any]) -> None:
