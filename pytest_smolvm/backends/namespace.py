@@ -23,6 +23,7 @@ from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
 from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
+from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
@@ -92,34 +93,6 @@ class Zygote:
             self._proc.wait()
 
 
-class _BoundedBuffer:
-    """Keeps the head and the tail of a stream; what falls between is counted, not kept."""
-
-    def __init__(self, limit: int) -> None:
-        self.half = max(limit // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.dropped = 0
-
-    def add(self, data: bytes) -> None:
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            excess = len(self.tail) - self.half
-            if excess > 0:
-                del self.tail[:excess]
-                self.dropped += excess
-
-    def value(self) -> bytes:
-        if not self.dropped:
-            return bytes(self.head + self.tail)
-        marker = f"\n[pytest-smolvm: {self.dropped} bytes of output truncated]\n".encode()
-        return bytes(self.head) + marker + bytes(self.tail)
-
-
 class NamespaceGuest:
     def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
                  cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str]) -> None:
@@ -175,8 +148,8 @@ class NamespaceGuest:
             raise
         for fd in ours:
             os.close(fd)
-        stdout = _BoundedBuffer(output_limit)
-        stderr = _BoundedBuffer(output_limit)
+        stdout = BoundedBuffer(output_limit)
+        stderr = BoundedBuffer(output_limit)
         pending = memoryview(bytes(stdin or b"")) if isinstance(stdin, (bytes, bytearray)) else memoryview(b"")
         if in_w >= 0:
             os.set_blocking(in_w, False)

@@ -10,10 +10,14 @@ is cheap and changes nothing. Every SDK call passes ``ConnectOptions(target=...)
 explicitly, because the SDK's own default silently switches to the (billed) cloud when
 ``SMOL_CLOUD_TOKEN`` is set, and ``Machine.list`` with no options always lists the cloud.
 
-Exec output: the local SDK hands back output already decoded as lossy UTF-8 text, so each
-command's stdout/stderr go to files in the guest that are read back byte-exact with
+Exec output: on the cloud one SDK call carries it byte-exact (``ExecOptions(output="b64")``,
+the ``?output=b64`` query; transport.py:1231-1259). The local SDK hands output back already
+decoded as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each
+command's stdout/stderr go to files in the guest, trimmed there and read back with
 ``read_file``. That also means a background process that keeps the command's stdout open
-can never hold the exec open.
+can never hold a local exec open.
+
+SDK behaviour the public API does not promise is used only through ``smol_sdk.py``.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
-from pytest_smolvm.backends.namespace import _BoundedBuffer
+from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
-from pytest_smolvm.probe import ProbeResult, remove_fork_lock, vm_data_dir
+from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import is_alive, process_start_time
+from pytest_smolvm.smol_sdk import exec_cancellable, remove_fork_lock, vm_data_dir
 
 if TYPE_CHECKING:
     from smol import ConnectOptions, Machine, SmolError
@@ -55,6 +60,9 @@ SOURCE_LABEL = "pytest-smolvm-source"  # children inherit their source's labels:
 SOURCE_PREFIX = "pytest-smolvm-src-"
 GONE_CODES = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
 TIMEOUT_CODES = frozenset({"TIMEOUT", "CANCELLED", "INTERRUPTED"})
+# Worth another provisioning attempt whatever the server's ``retryable`` flag says: the request
+# never got an answer (CONNECTION, TIMEOUT), or the machine was cut off under it.
+RETRYABLE_CODES = frozenset({"CONNECTION", "NETWORK_ERROR", "TIMEOUT", "MACHINE_INTERRUPTED"})
 TIMEOUT_EXIT = 124
 KILLED_EXITS = frozenset({TIMEOUT_EXIT, 128 + 9, 128 + 15, -9, -15})
 DEFAULT_CPUS = 1
@@ -149,6 +157,19 @@ def _is_gone(exc: SmolError) -> bool:
     return exc.code in GONE_CODES or "not found" in exc.message.lower()
 
 
+def is_retryable(exc: SmolError) -> bool:
+    """Whether a failed provisioning call is worth repeating (with a new name).
+
+    The cloud says so itself: ``SmolError.retryable`` comes from the problem body's
+    ``retryable`` or, failing that, from 408/429/502/503/504 (transport.py:1944-1973).
+    """
+    return bool(getattr(exc, "retryable", False)) or exc.code in RETRYABLE_CODES
+
+
+def provision_error(message: str, exc: SmolError) -> ProvisionError:
+    return ProvisionError(f"{message}: {_describe(exc)}", retryable=is_retryable(exc))
+
+
 @dataclass(frozen=True)
 class OwnedMachine:
     """A machine this plugin made, as ``Machine.list`` reports it (for the reaper)."""
@@ -186,8 +207,42 @@ class SmolGuest:
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
              stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
         with self._lock:
-            return self._exec_locked(list(argv), env=env, workdir=workdir, stdin=stdin,
-                                     timeout=timeout, output_limit=output_limit)
+            run = self._exec_cloud if self._target == "cloud" else self._exec_locked
+            return run(list(argv), env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                       output_limit=output_limit)
+
+    def _exec_cloud(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
+                    stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        """One SDK call: byte-exact output as base64 (``?output=b64``), bounded here."""
+        from smol import ExecOptions, SmolError
+
+        text_stdin: str | None = None
+        if stdin:
+            try:
+                text_stdin = stdin.decode("utf-8")  # the SDK carries stdin as text only
+            except UnicodeDecodeError:
+                # Binary stdin goes in as a file the command reads (and removes) first.
+                staged = f"/tmp/.pytest-smolvm-stdin-{uuid.uuid4().hex[:12]}"
+                self._sdk_write(staged, stdin, 0o600)
+                argv = ["/bin/sh", "-c", 'exec <"$1" && rm -f -- "$1" && shift && exec "$@"', "sh", staged,
+                        *argv]
+        opts = ExecOptions(env={**self._env, **env} or None, workdir=workdir, timeout=timeout,
+                           stdin=text_stdin, output="b64")
+        started = time.monotonic()
+        try:
+            result = self._machine.exec(argv, opts)
+        except SmolError as exc:
+            if timeout is None or exc.code not in TIMEOUT_CODES:
+                raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
+            return GuestExecResult(TIMEOUT_EXIT, b"", b"", True)
+        elapsed = time.monotonic() - started
+        # The agent reports its own kill as 124 (or as the signal); a command may exit 124 by
+        # itself (`timeout(1)`), hence the clock.
+        timed_out = timeout is not None and result.exit_code in KILLED_EXITS and elapsed >= timeout
+        limit = max(int(output_limit), 2)
+        return GuestExecResult(TIMEOUT_EXIT if timed_out else result.exit_code,
+                               bounded(result.stdout_bytes, limit), bounded(result.stderr_bytes, limit),
+                               timed_out)
 
     def _exec_locked(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
                      stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
@@ -240,11 +295,10 @@ class SmolGuest:
         from smol import ExecOptions
 
         opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout)
-        make = getattr(self._machine, "_exec_cancellable", None)
-        if timeout is None or make is None:
+        if timeout is None:
             return self._machine.exec(command, opts)
-        canceller, run = make(command, opts)
-        if canceller is None:
+        canceller, run = exec_cancellable(self._machine, command, opts)
+        if canceller is None or run is None:
             return self._machine.exec(command, opts)
         timer = threading.Timer(timeout + EXEC_CANCEL_GRACE, canceller.cancel)
         timer.daemon = True
@@ -263,12 +317,7 @@ class SmolGuest:
             if required and not _is_gone(exc):
                 raise GuestError(f"exec in {self.name}: could not read its output: {_describe(exc)}") from exc
             return b""
-        if not dropped:
-            return data
-        buffer = _BoundedBuffer(limit)
-        buffer.add(data)
-        buffer.dropped += dropped
-        return buffer.value()
+        return bounded(data, limit, dropped) if dropped else data
 
     def _sh(self, script: str, *args: str, what: str) -> None:
         """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
@@ -378,19 +427,23 @@ class SmolGuest:
         return {"name": self.name, "id": self._machine.id, "target": self._target, "source": self._source}
 
     def destroy(self) -> None:
+        """Delete the machine. Only a delete that succeeded (or found it gone) counts: after a
+        failed one the guest stays this backend's to retry, and ``close()`` tries again."""
         if self._destroyed:
             return
-        self._destroyed = True
         if not self._owned:
+            self._destroyed = True
             return  # a source: the backend deletes it after its children
+        if self._captured_logs is None:
+            try:
+                # The engine deletes the logs with the machine.
+                self._captured_logs = self._collect_logs()
+            except Exception as exc:  # logs must never stop a delete
+                self._captured_logs = f"(logs could not be read before delete: {exc})"
+        delete_machine(self._machine, self.name, self._target)
+        self._destroyed = True
         if self._on_release is not None:
             self._on_release(self, False)
-        try:
-            # The engine deletes the logs with the machine.
-            self._captured_logs = self._collect_logs()
-        except Exception as exc:  # logs must never stop a delete
-            self._captured_logs = f"(logs could not be read before delete: {exc})"
-        delete_machine(self._machine, self.name, self._target)
 
 
 def delete_machine(machine: Machine, name: str, target: str) -> None:
@@ -539,8 +592,7 @@ class SmolBackend:
         try:
             child = machine.branch(spec.name)
         except SmolError as exc:
-            raise ProvisionError(f"smol: could not branch {spec.name} from {source.name}: "
-                                 f"{_describe(exc)}") from exc
+            raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,
                           on_release=self._release)
         with self._lock:
@@ -606,9 +658,7 @@ class SmolBackend:
         """Local machines labelled by us whose owner (pid, start time) is gone: children, then sources."""
         removed = []
         for machine in list_owned({LABEL: "1"}):
-            start = machine.labels.get("owner_start")
-            owner = int(machine.labels.get("owner_pid") or 0)
-            if owner and is_alive(owner, int(start) if start and start != "None" else None):
+            if owner_alive(machine.labels):
                 continue
             destroy_recorded({"name": machine.name, "target": "local"})
             removed.append(machine.name)
@@ -694,8 +744,8 @@ class SmolBackend:
                 try:
                     source.machine = Machine.connect(source.name, _connect(self.target))
                 except SmolError as exc:
-                    raise ProvisionError(f"smol: could not attach to source {source.name} "
-                                         f"made by another process: {_describe(exc)}") from exc
+                    raise provision_error(f"smol: could not attach to source {source.name} "
+                                          "made by another process", exc) from exc
             return source.machine
 
     def _image(self, baseline: Baseline) -> str | None:
@@ -725,8 +775,10 @@ class SmolBackend:
 
         image = self._image(spec.baseline)
         name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
+        # allow_hosts turns networking on, scoped to the list (types.py:36-49): sending
+        # network=False with it would ask for "off" and "these hosts" at once.
         resources = ResourceSpec(cpus=self._cpus(spec), memory_mb=spec.memory_mb or self.default_memory_mb,
-                                 network=bool(spec.network) and not spec.allow_hosts,
+                                 network=None if spec.allow_hosts else bool(spec.network),
                                  allow_hosts=list(spec.allow_hosts) or None)
         config = MachineConfig(
             name=name, image=image, labels={**spec.labels, **self.labels, SOURCE_LABEL: name, "key": key},
@@ -739,21 +791,21 @@ class SmolBackend:
             # The SDK deletes a half-made machine itself; the name is unique so its lock file is ours.
             if self.target == "local":
                 remove_fork_lock(name)
-            raise ProvisionError(f"smol: could not boot source {name} from {spec.baseline.reference}: "
-                                 f"{_describe(exc)}") from exc
+            raise provision_error(f"smol: could not boot source {name} from {spec.baseline.reference}",
+                                  exc) from exc
         return _Source(key, machine.id if self.target == "cloud" else name, machine, owned=True)
 
     def _delete_source(self, source: _Source) -> None:
         """Delete a source, first deleting any children left (by a crashed worker, say)."""
         from smol import SmolError
 
-        if self.target == "local":
-            try:
-                for child in list_owned({SOURCE_LABEL: source.name}, target=self.target):
-                    if child.name != source.name:
-                        destroy_recorded({"name": child.name, "target": self.target})
-            except (SmolError, GuestError):
-                pass  # the delete below reports what matters
+        try:
+            # Children carry their source's labels (the engine copies them on branch).
+            for child in list_owned({SOURCE_LABEL: source.name}, target=self.target):
+                if child.name != source.name and not child.is_source:
+                    destroy_recorded({"name": child.name, "target": self.target})
+        except (SmolError, GuestError):
+            pass  # the delete below reports what matters
         if source.machine is not None:
             delete_machine(source.machine, source.name, self.target)
         else:
@@ -763,6 +815,25 @@ class SmolBackend:
 
 
 # --------------------------------------------------------------------------- reaping
+
+
+def owner_alive(labels: Mapping[str, str]) -> bool:
+    """Whether the process that labelled a machine still runs (on this host, as far as we can tell).
+
+    (pid, start time) identifies it; a machine labelled without a start time (a boot probe
+    from an older version) gets the benefit of the doubt while its pid exists, so a live
+    run's probe is never deleted under it.
+    """
+    try:
+        owner = int(labels.get("owner_pid") or 0)
+    except ValueError:
+        return False
+    if owner <= 0:
+        return False
+    start = labels.get("owner_start") or ""
+    if start.isdigit():
+        return is_alive(owner, int(start))
+    return process_start_time(owner) is not None
 
 
 def list_owned(labels: Mapping[str, str], target: str = "local") -> list[OwnedMachine]:
