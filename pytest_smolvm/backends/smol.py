@@ -45,7 +45,7 @@ from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
 from pytest_smolvm.probe import ProbeResult
-from pytest_smolvm.procs import is_alive, process_start_time
+from pytest_smolvm.procs import host_identity, is_alive, process_start_time
 from pytest_smolvm.smol_sdk import exec_cancellable, remove_fork_lock, vm_data_dir
 
 if TYPE_CHECKING:
@@ -534,7 +534,8 @@ class SmolBackend:
         self.target = target
         # (pid, start time) identifies the owner even after its pid is reused: the reaper's test.
         self.labels = {LABEL: "1", "owner_pid": str(os.getpid()),
-                       "owner_start": str(process_start_time(os.getpid())), **dict(labels or {})}
+                       "owner_start": str(process_start_time(os.getpid())), "owner_host": host_identity(),
+                       **dict(labels or {})}
         # derived baseline digest -> the setup that makes it, run in its source before any branch
         self._populate: dict[str, Callable[[SmolGuest], None]] = {}
         self.ttl_seconds = ttl_seconds if target == "cloud" else None  # the local engine ignores TTLs
@@ -611,10 +612,12 @@ class SmolBackend:
     def close(self) -> None:
         """Delete this process's children, then the sources it owns (never adopted ones)."""
         errors: list[str] = []
+        kept = kept_machines()  # kept by any process of this host (an xdist worker, say)
         with self._lock:
             children = list(self._children.values())
             self._children.clear()
-            sources = [s for s in self._sources.values() if s.owned and s.name not in self._kept_sources]
+            sources = [s for s in self._sources.values()
+                       if s.owned and s.name not in self._kept_sources and s.name not in kept]
             self._sources.clear()
             self._closed = True
         for guest in children:
@@ -655,13 +658,38 @@ class SmolBackend:
 
     @classmethod
     def reap_unrecorded(cls) -> list[str]:
-        """Local machines labelled by us whose owner (pid, start time) is gone: children, then sources."""
-        removed = []
-        for machine in list_owned({LABEL: "1"}):
-            if owner_alive(machine.labels):
+        """Machines labelled by us whose owner (pid, start time) is gone: children, then sources.
+
+        Local machines always; cloud ones too when a cloud key is configured, but only those
+        labelled by this host (a pid says nothing about another host's processes: TTL is
+        what removes those).
+        """
+        from smol import SmolError
+
+        removed: list[str] = []
+        failed: list[str] = []
+        kept = kept_machines()
+        targets = ["local", "cloud"] if cloud_token_source() is not None else ["local"]
+        here = host_identity()
+        for target in targets:
+            try:
+                machines = list_owned({LABEL: "1"}, target=target)
+            except SmolError as exc:
+                failed.append(f"listing {target} machines: {_describe(exc)}")
                 continue
-            destroy_recorded({"name": machine.name, "target": "local"})
-            removed.append(machine.name)
+            for machine in machines:
+                if target == "cloud" and machine.labels.get("owner_host") != here:
+                    continue
+                if owner_alive(machine.labels) or machine.name in kept:
+                    continue
+                try:
+                    destroy_recorded({"name": machine.name, "id": machine.name, "target": target})
+                except GuestError as exc:
+                    failed.append(str(exc))
+                    continue
+                removed.append(machine.name)
+        if failed:
+            raise GuestError(f"smol reap removed {len(removed)} machine(s) but: {'; '.join(failed)}")
         return removed
 
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
@@ -815,6 +843,23 @@ class SmolBackend:
 
 
 # --------------------------------------------------------------------------- reaping
+
+
+def kept_machines() -> set[str]:
+    """Machines kept with ``--smol-keep`` on this host, and the sources they need, as
+    ``list_owned`` names them (cloud: ids). Labels cannot change after create, so the
+    registry is where "kept" is written down."""
+    from pytest_smolvm import registry
+
+    kept: set[str] = set()
+    for record in registry.records():
+        if record.backend != SmolBackend.name or not record.kept:
+            continue
+        data = record.data
+        kept.add(str(data.get("id") if data.get("target") == "cloud" else data.get("name")))
+        if data.get("source"):
+            kept.add(str(data["source"]))
+    return kept
 
 
 def owner_alive(labels: Mapping[str, str]) -> bool:

@@ -10,11 +10,15 @@ baselines do). Snapshots are reference-counted and removed when the last machine
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
+import os
 import shutil
+import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +34,7 @@ from tests.smolcloud.faults import Faults
 OUTPUT_CAP = 32 << 20  # per stream: the server's own bound on what one exec may return
 LOG_LINES = 1000
 DEFAULT_DISK_MB = 2048
+HALT_WAIT = 10.0  # seconds a halt waits for in-flight calls to notice their guest is gone
 BACKGROUND = '"$@" </dev/null >/dev/null 2>&1 & echo "pid=$!"'
 
 
@@ -75,6 +80,19 @@ class Machine:
     children: set[str] = field(default_factory=set)
     log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
     op_lock: threading.Lock = field(default_factory=threading.Lock)
+    busy: int = 0  # guest calls in flight (exec, files): a halt waits for them to notice
+    idle: threading.Condition = field(default_factory=threading.Condition)
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        with self.idle:
+            self.busy += 1
+        try:
+            yield
+        finally:
+            with self.idle:
+                self.busy -= 1
+                self.idle.notify_all()
 
     def say(self, line: str) -> None:
         stamp = datetime.now(timezone.utc).strftime("%H:%M:%S.%f")[:-3]
@@ -185,8 +203,15 @@ class Store:
     def _halt(self, machine: Machine, state: str) -> None:
         guest, machine.guest = machine.guest, None
         machine.state = state
-        if guest is not None:
-            guest.destroy()
+        if guest is None:
+            return
+        # Kill the init first: calls in flight then see their guest gone and answer. Closing the
+        # control socket under them instead would leave them polling a dead descriptor.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(guest.pid, signal.SIGKILL)
+        with machine.idle:
+            machine.idle.wait_for(lambda: machine.busy == 0, timeout=HALT_WAIT)
+        guest.destroy()
 
     def ready(self, machine: Machine) -> bool:
         return machine.state == "started" and time.monotonic() >= machine.started_at + self.ready_delay
@@ -238,13 +263,15 @@ class Store:
         guest = self.running(machine, "exec")
         argv = request.argv
         if request.user is not None:
-            argv = ["su", "-p", "-s", "/bin/sh", request.user, "-c", 'exec "$0" "$@"', *argv]
+            # BusyBox su: options first, then "--", the user, ARG0 ARGS for -c
+            argv = ["su", "-p", "-s", "/bin/sh", "-c", 'exec "$0" "$@"', "--", request.user, *argv]
         if request.background:
             argv = ["/bin/sh", "-c", BACKGROUND, "sh", *argv]
         machine.generation += 1
         try:
-            result = guest.exec(argv, env=request.env, workdir=request.cwd, stdin=request.stdin,
-                                timeout=request.timeout, output_limit=OUTPUT_CAP)
+            with machine.using():
+                result = guest.exec(argv, env=request.env, workdir=request.cwd, stdin=request.stdin,
+                                    timeout=request.timeout, output_limit=OUTPUT_CAP)
         except GuestError as exc:
             if machine.state != "started":
                 raise wire.interrupted(f"exec in {machine.id} was interrupted: the machine is "
@@ -258,7 +285,8 @@ class Store:
     def read_file(self, machine: Machine, path: str) -> bytes:
         guest = self.running(machine, "read file")
         try:
-            data = guest.read_file(path)
+            with machine.using():
+                data = guest.read_file(path)
         except GuestError as exc:
             raise wire.not_found(f"file {path} ({exc})") from exc
         if len(data) > wire.MAX_FILE_BYTES:
@@ -272,13 +300,14 @@ class Store:
         parent = path.rsplit("/", 1)[0] or "/"
         # Strict on purpose: nothing says the real service creates parent directories
         # (the SDK's integrations mkdir -p first), so a missing parent is refused here.
-        check = guest.exec(["/bin/sh", "-c", '[ -d "$1" ] && [ ! -d "$2" ]', "sh", parent, path],
-                           env={}, workdir=None, stdin=None, timeout=30, output_limit=1024)
-        if check.exit_code != 0:
-            raise wire.not_found(f"directory {parent} (or {path} is a directory)")
         machine.generation += 1
         try:
-            guest.write_file(path, data, None)
+            with machine.using():
+                check = guest.exec(["/bin/sh", "-c", '[ -d "$1" ] && [ ! -d "$2" ]', "sh", parent, path],
+                                   env={}, workdir=None, stdin=None, timeout=30, output_limit=1024)
+                if check.exit_code != 0:
+                    raise wire.not_found(f"directory {parent} (or {path} is a directory)")
+                guest.write_file(path, data, None)
         except GuestError as exc:
             raise wire.ApiError(500, "write_failed", f"write {path}: {exc}") from exc
 
