@@ -49,7 +49,7 @@ from pytest_smolvm.procs import host_identity, is_alive, process_start_time
 from pytest_smolvm.smol_sdk import exec_cancellable, remove_fork_lock, vm_data_dir
 
 if TYPE_CHECKING:
-    from smol import ConnectOptions, Machine, SmolError
+    from smol import ConnectOptions, Machine, MachineConfig, SmolError
 
     from pytest_smolvm.baseline import Baseline
 
@@ -798,21 +798,27 @@ class SmolBackend:
             return str(unpack(baseline).path)
         return str(baseline.path)  # rootfs-dir or .smolmachine
 
-    def _create_source(self, key: str, spec: VMSpec) -> _Source:
-        from smol import Machine, MachineConfig, ResourceSpec, SmolError
+    def machine_config(self, name: str, key: str, spec: VMSpec) -> MachineConfig:
+        """The SDK config of the source for ``spec``: what ``Machine.create`` is given."""
+        from smol import MachineConfig, ResourceSpec
 
-        image = self._image(spec.baseline)
-        name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
         # allow_hosts turns networking on, scoped to the list (types.py:36-49): sending
         # network=False with it would ask for "off" and "these hosts" at once.
         resources = ResourceSpec(cpus=self._cpus(spec), memory_mb=spec.memory_mb or self.default_memory_mb,
                                  network=None if spec.allow_hosts else bool(spec.network),
                                  allow_hosts=list(spec.allow_hosts) or None)
-        config = MachineConfig(
-            name=name, image=image, labels={**spec.labels, **self.labels, SOURCE_LABEL: name, "key": key},
+        return MachineConfig(
+            name=name, image=self._image(spec.baseline),
+            labels={**spec.labels, **self.labels, SOURCE_LABEL: name, "key": key},
             resources=resources, env=dict(spec.env) or None, branchable=True,
             # persistent: another process (an xdist worker) can Machine.connect to it by name.
             persistent=True, ttl_seconds=self.ttl_seconds, ready_timeout_seconds=self.ready_timeout)
+
+    def _create_source(self, key: str, spec: VMSpec) -> _Source:
+        from smol import Machine, SmolError
+
+        name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
+        config = self.machine_config(name, key, spec)
         try:
             machine = Machine.create(config, _connect(self.target))
         except SmolError as exc:

@@ -47,9 +47,18 @@ def baseline(session_env: None) -> Baseline:
     return resolve(None, Path.cwd())
 
 
+# A loopback smol cloud the caller started (a test that runs this suite and then checks the
+# server): read before session_env clears the token. Only a loopback URL is ever taken.
+EXTERNAL_CLOUD = (os.environ.get("SMOL_CLOUD_URL", ""), os.environ.get("SMOL_CLOUD_TOKEN", ""))
+
+
 @pytest.fixture(scope="session")
 def loopback_cloud(session_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
     """The loopback smol cloud for this session; it must hold nothing once the backend closed."""
+    url, token = EXTERNAL_CLOUD
+    if url.startswith("http://127.0.0.1:") and token:
+        yield LoopbackCloud(attach=url, token=token)
+        return
     cloud = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
     try:
         yield cloud
@@ -89,7 +98,8 @@ def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baselin
             left = [m.name for m in list_owned({"pytest-smolvm": "1", "run": RUN_ID}, target=target)]
             assert left == [], f"smol machines outlived the backend's close(): {left}"
         if name == "smol-cloud":
-            assert cloud.wait_for_no_machines() == [], "the loopback cloud still holds machines"
+            left_on_server = cloud.wait_for_no_machines(token=cloud.token, labels={"run": RUN_ID})
+            assert left_on_server == [], "the loopback cloud still holds this session's machines"
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds a started machine reports ready=false (exercises the SDK's wait)")
     parser.add_argument("--legacy-fork-routes", action="store_true",
                         help="answer 404 on /branches routes, as a control plane from before them did")
+    parser.add_argument("--ttl-scale", type=float, default=1.0,
+                        help="multiply every TTL by this (0.001: an hour passes in 3.6 s), for TTL tests")
     parser.add_argument("--reap-interval", type=float, default=0.5, help="seconds between TTL sweeps")
     parser.add_argument("--state-dir", help="the namespace guests' state dir (default: a private temp dir)")
     return parser.parse_args(argv)
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"smolcloud: {exc}", file=sys.stderr)
         return 2
-    store = Store(images, work / "lowers", Faults([*args.fail, *args.fail_create]), args.ready_delay)
+    store = Store(images, work / "lowers", Faults([*args.fail, *args.fail_create]), args.ready_delay,
+                  args.ttl_scale)
     (work / "lowers").mkdir()
     server = CloudServer(("127.0.0.1", args.port), store, legacy_fork_routes=args.legacy_fork_routes)
     stop = threading.Event()

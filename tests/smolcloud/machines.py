@@ -98,8 +98,8 @@ class Machine:
         stamp = datetime.now(timezone.utc).strftime("%H:%M:%S.%f")[:-3]
         self.log.append(f"{stamp} {line}")
 
-    def expired(self, now: float) -> bool:
-        return self.ttl_seconds is not None and now >= self.created_at + self.ttl_seconds
+    def expired(self, now: float, scale: float) -> bool:
+        return self.ttl_seconds is not None and now >= self.created_at + self.ttl_seconds * scale
 
 
 def iso(ts: float) -> str:
@@ -108,11 +108,13 @@ def iso(ts: float) -> str:
 
 class Store:
     def __init__(self, images: dict[str, Baseline], work: Path, faults: Faults,
-                 ready_delay: float = 0.0) -> None:
+                 ready_delay: float = 0.0, ttl_scale: float = 1.0) -> None:
         self.images = images
         self.work = work
         self.faults = faults
         self.ready_delay = ready_delay
+        self.ttl_scale = ttl_scale  # < 1 runs TTLs faster, for tests of what a TTL does
+        self.history: list[dict[str, Any]] = []  # every accepted create and branch, for tests
         self.backend = NamespaceBackend()
         self.lock = threading.RLock()
         self.machines: dict[str, Machine] = {}
@@ -160,6 +162,7 @@ class Store:
                               ttl_seconds=request.ttl_seconds, auto_stop_seconds=request.auto_stop_seconds,
                               lower=lower)
             self.machines[machine_id] = machine
+            self.history.append({"op": "create", "id": machine_id, "owner": owner, "request": request.raw})
         machine.say(f"created {name} from image {request.image}")
         return machine
 
@@ -349,6 +352,8 @@ class Store:
         with self.lock:
             self.machines[child.id] = child
             source.children.add(child.id)
+            self.history.append({"op": "branch", "id": child.id, "owner": owner, "source": source.id,
+                                 "name": name})
         try:
             child.guest = self._boot(child)
         except BaseException:
@@ -390,7 +395,7 @@ class Store:
         removed = []
         for machine in machines:
             try:
-                if machine.expired(now):
+                if machine.expired(now, self.ttl_scale):
                     machine.say(f"TTL of {machine.ttl_seconds}s expired: deleting")
                     self.delete(machine, cascade=True)
                     removed.append(machine.id)

@@ -286,6 +286,10 @@ class Handler(BaseHTTPRequestHandler):
                                                    "hosts": list(m.network.hosts)}}
                                       for m in machines]})
 
+    def admin_history(self, args: dict[str, str]) -> None:
+        with self.server.store.lock:
+            self._json(200, {"history": list(self.server.store.history)})
+
     def admin_faults(self, args: dict[str, str]) -> None:
         store = self.server.store
         self._json(200, {"counts": store.faults.counts(),
@@ -314,6 +318,7 @@ ROUTES: list[Route] = [
     _route("POST", MACHINE + r"/fork-batch", Handler.branch_batch),
     _route("GET", r"/_smolcloud/machines", Handler.admin_machines),
     _route("GET", r"/_smolcloud/faults", Handler.admin_faults),
+    _route("GET", r"/_smolcloud/history", Handler.admin_history),
 ]
 
 
