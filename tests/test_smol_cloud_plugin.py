@@ -271,3 +271,31 @@ def test_a_failed_delete_is_retried_not_forgotten(pytester: pytest.Pytester, tmp
     finally:
         status, err = server.stop()
     assert status == 0, err
+
+
+def test_warm_baseline_hook_runs_once_per_host_under_n2(pytester: pytest.Pytester, cloud: LoopbackCloud,
+                                                        token: str) -> None:
+    ran = pytester.path / "hook-ran"
+    pytester.makeconftest(f"""
+        import os
+
+        def pytest_smolvm_prepare_baseline(vm, config):
+            with open({str(ran)!r}, "a") as f:
+                f.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + "\\n")
+            vm.exec("mkdir -p /opt/warm && echo prepared > /opt/warm/marker", check=True)
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_inherits(smol_vm, i):
+            assert smol_vm.read_file("/opt/warm/marker") == b"prepared\\n"
+            smol_vm.write_file("/opt/warm/marker", f"changed by {i}")  # never seen by another test
+    """)
+    pytester.runpytest_subprocess(*SMOL, "-n", "2").assert_outcomes(passed=8)
+    assert len(ran.read_text().splitlines()) == 1, ran.read_text()
+    history = cloud.history(token)
+    warm = [h for h in history if h["op"] == "create" and h["request"]["labels"]["worker"] == "main"]
+    branched_from = {h["source"] for h in history if h["op"] == "branch"}
+    assert len(branched_from) == 1 and branched_from <= {h["id"] for h in warm}  # one warm source
+    assert cloud.wait_for_no_machines(token=token) == []

@@ -58,6 +58,7 @@ IMAGE_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # what the engine recognis
 LABEL = "pytest-smolvm"
 SOURCE_LABEL = "pytest-smolvm-source"  # children inherit their source's labels: finds them by source
 SOURCE_PREFIX = "pytest-smolvm-src-"
+DERIVED = " + setup"  # ends a warm baseline's reference; never part of an image reference (no spaces)
 GONE_CODES = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
 TIMEOUT_CODES = frozenset({"TIMEOUT", "CANCELLED", "INTERRUPTED"})
 # Worth another provisioning attempt whatever the server's ``retryable`` flag says: the request
@@ -546,7 +547,8 @@ class SmolBackend:
         self._children: dict[str, SmolGuest] = {}
         self._kept_sources: set[str] = set()
         self._lock = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
+        # Re-entrant: making a source runs the warm-baseline setup in it, which attaches to it.
+        self._key_locks: dict[str, threading.RLock] = {}
         self._closed = False
         self._share_source = options.share_source  # set in xdist workers: the controller owns sources
         for key, name in options.shared.items():
@@ -695,7 +697,7 @@ class SmolBackend:
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
                         scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
         """The warm baseline of a microVM is its source machine: setup runs there, branches inherit it."""
-        derived = dataclasses.replace(baseline, reference=f"{baseline.reference} + setup",
+        derived = dataclasses.replace(baseline, reference=f"{baseline.reference}{DERIVED}",
                                       digest=f"sha256:{key}")
         self._populate[derived.digest] = populate
         return derived
@@ -705,9 +707,9 @@ class SmolBackend:
         with self._lock:
             return {key: s.name for key, s in self._sources.items() if s.owned}
 
-    def _key_lock(self, key: str) -> threading.Lock:
+    def _key_lock(self, key: str) -> threading.RLock:
         with self._lock:
-            return self._key_locks.setdefault(key, threading.Lock())
+            return self._key_locks.setdefault(key, threading.RLock())
 
     def _source_for(self, spec: VMSpec, *, populate: bool = True) -> _Source:
         key = self.source_key(spec)
@@ -783,7 +785,9 @@ class SmolBackend:
                                  "the bundled Alpine rootfs exists only on this host")
             return None
         if baseline.kind == "registry":
-            return baseline.reference
+            # A warm baseline is the same image plus setup run in its source; the name it is shown
+            # by is not an image (and reaches another process only as the Baseline's fields).
+            return baseline.reference.removesuffix(DERIVED)
         if self.target == "cloud":
             raise UsageError(f"--smol-baseline={baseline.reference}: smol cloud boots registry images only, "
                              f"not a local {baseline.kind}")
