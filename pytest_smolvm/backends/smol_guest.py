@@ -1,0 +1,396 @@
+"""A smol machine as a Guest: exec, files, archives, logs, keep and delete through the SDK.
+
+``import smol`` mutates ``os.environ`` (it ``setdefault``s ``SMOLVM_SECCOMP`` and
+``SMOLVM_LANDLOCK``), so this module imports it only inside functions. Every SDK call passes
+``ConnectOptions(target=...)`` explicitly, because the SDK's own default silently switches to
+the (billed) cloud when ``SMOL_CLOUD_TOKEN`` is set.
+
+Exec output: on the cloud one SDK call carries it byte-exact (``ExecOptions(output="b64")``,
+the ``?output=b64`` query; transport.py:1231-1259). The local SDK hands output back already
+decoded as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each
+command's stdout/stderr go to files in the guest, trimmed there and read back with
+``read_file``. That also means a background process that keeps the command's stdout open
+can never hold a local exec open.
+
+SDK behaviour the public API does not promise is used only through ``smol_sdk.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+from pytest_smolvm.backends import GuestExecResult
+from pytest_smolvm.backends.output import bounded
+from pytest_smolvm.backends.smol_common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.smol_sdk import exec_cancellable, remove_fork_lock, vm_data_dir
+
+if TYPE_CHECKING:
+    from smol import Machine
+
+# The agent kills a timed-out command itself; this host-side backstop only fires if it does not.
+EXEC_CANCEL_GRACE = 30.0
+LOG_FILES = ("agent-startup-error.log", "agent-console.log", "vmm-exit.json", "workload.log")
+LOG_TAIL_BYTES = 64 << 10
+# mkdir/tar/rm for file transfers: generous for big trees, but a wedged guest must not hang a test.
+PLUMBING_TIMEOUT = 600.0
+SCRATCH = "/tmp/.pytest-smolvm"  # per-guest exec plumbing files (one exec at a time per guest)
+# Runs the command with its output in files. Arguments: mode (run|trim), file prefix, output
+# limit, stdin file ("" for none), then argv. "trim" only shortens files a timed-out "run" left.
+# Oversized output keeps its head and tail; the dropped byte counts are printed for the host.
+_EXEC_SCRIPT = r"""
+mode=$1 p=$2 l=$3 i=$4; shift 4
+trim() {
+  s=$(( $(wc -c <"$1" 2>/dev/null || echo 0) ))
+  if [ "$s" -gt "$l" ]; then
+    h=$((l / 2))
+    { head -c "$h" "$1"; tail -c "$h" "$1"; } >"$1.t" && mv -f "$1.t" "$1"
+    printf ' %s' $((s - 2 * h))
+  else
+    printf ' 0'
+  fi
+}
+rc=0
+if [ "$mode" = run ]; then
+  rm -f "$p.out" "$p.err"
+  "$@" <"${i:-/dev/null}" >"$p.out" 2>"$p.err"
+  rc=$?
+fi
+[ -n "$i" ] && rm -f "$i"
+trim "$p.out"; trim "$p.err"
+exit $rc
+"""
+
+
+class SmolGuest:
+    """One live machine. ``owned=False`` for a source handed out to run baseline setup in."""
+
+    def __init__(self, machine: Machine, *, name: str, target: str, source: str | None,
+                 env: Mapping[str, str], owned: bool = True,
+                 on_release: Callable[[SmolGuest, bool], None] | None = None) -> None:
+        self.name = name
+        self._machine = machine
+        self._target = target
+        self._source = source
+        self._env = dict(env)
+        self._owned = owned
+        self._on_release = on_release  # tells the backend this guest is gone (False) or kept (True)
+        self.kept = False
+        self._lock = threading.Lock()
+        self._destroyed = False
+        self._captured_logs: str | None = None
+
+    @property
+    def machine_id(self) -> str:
+        return self._machine.id
+
+    # ---------------------------------------------------------------- exec
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        with self._lock:
+            run = self._exec_cloud if self._target == "cloud" else self._exec_locked
+            return run(list(argv), env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                       output_limit=output_limit)
+
+    def _exec_cloud(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
+                    stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        """One SDK call: byte-exact output as base64 (``?output=b64``), bounded here."""
+        from smol import ExecOptions, SmolError
+
+        text_stdin: str | None = None
+        if stdin:
+            try:
+                text_stdin = stdin.decode("utf-8")  # the SDK carries stdin as text only
+            except UnicodeDecodeError:
+                # Binary stdin goes in as a file the command reads (and removes) first.
+                staged = f"/tmp/.pytest-smolvm-stdin-{uuid.uuid4().hex[:12]}"
+                self._sdk_write(staged, stdin, 0o600)
+                argv = ["/bin/sh", "-c", 'exec <"$1" && rm -f -- "$1" && shift && exec "$@"', "sh", staged,
+                        *argv]
+        opts = ExecOptions(env={**self._env, **env} or None, workdir=workdir, timeout=timeout,
+                           stdin=text_stdin, output="b64")
+        started = time.monotonic()
+        try:
+            result = self._machine.exec(argv, opts)
+        except SmolError as exc:
+            if timeout is None or exc.code not in TIMEOUT_CODES:
+                raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
+            return GuestExecResult(TIMEOUT_EXIT, b"", b"", True)
+        elapsed = time.monotonic() - started
+        # The agent reports its own kill as 124 (or as the signal); a command may exit 124 by
+        # itself (`timeout(1)`), hence the clock.
+        timed_out = timeout is not None and result.exit_code in KILLED_EXITS and elapsed >= timeout
+        limit = max(int(output_limit), 2)
+        return GuestExecResult(TIMEOUT_EXIT if timed_out else result.exit_code,
+                               bounded(result.stdout_bytes, limit), bounded(result.stderr_bytes, limit),
+                               timed_out)
+
+    def _exec_locked(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
+                     stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        from smol import SmolError
+
+        stdin_path = ""
+        if stdin:
+            stdin_path = f"{SCRATCH}.in"
+            self._sdk_write(stdin_path, stdin, None)
+        limit = max(int(output_limit), 2)
+        command = ["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "run", SCRATCH, str(limit), stdin_path,
+                   *argv]
+        started = time.monotonic()
+        timed_out = False
+        exit_code = TIMEOUT_EXIT
+        report = ""
+        try:
+            result = self._raw_exec(command, env={**self._env, **env}, workdir=workdir, timeout=timeout)
+        except SmolError as exc:
+            if timeout is None or exc.code not in TIMEOUT_CODES:
+                raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
+            timed_out = True
+        else:
+            elapsed = time.monotonic() - started
+            exit_code = result.exit_code
+            report = result.stdout
+            # The agent reports its own kill as 124 (or as the signal); a command may exit 124 by
+            # itself (`timeout(1)`), hence the clock.
+            timed_out = timeout is not None and exit_code in KILLED_EXITS and elapsed >= timeout
+        if timed_out:
+            exit_code = TIMEOUT_EXIT
+            # The killed wrapper never shortened its files: do it now so a chatty command that
+            # ran until the deadline cannot send gigabytes back.
+            try:
+                trimmed = self._raw_exec(["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "trim", SCRATCH,
+                                          str(limit), stdin_path], env={}, workdir=None, timeout=60)
+                report = trimmed.stdout
+            except SmolError:
+                report = ""
+        dropped = [int(x) for x in report.split() if x.isdigit()][-2:] or [0, 0]
+        while len(dropped) < 2:
+            dropped.append(0)
+        stdout = self._read_output(f"{SCRATCH}.out", limit, dropped[0], required=not timed_out)
+        stderr = self._read_output(f"{SCRATCH}.err", limit, dropped[1], required=False)
+        return GuestExecResult(exit_code, stdout, stderr, timed_out)
+
+    def _raw_exec(self, command: list[str], *, env: Mapping[str, str], workdir: str | None,
+                  timeout: float | None) -> Any:
+        """One SDK exec, with a host-side cancel in case the guest agent never enforces the timeout."""
+        from smol import ExecOptions
+
+        opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout)
+        if timeout is None:
+            return self._machine.exec(command, opts)
+        canceller, run = exec_cancellable(self._machine, command, opts)
+        if canceller is None or run is None:
+            return self._machine.exec(command, opts)
+        timer = threading.Timer(timeout + EXEC_CANCEL_GRACE, canceller.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            return run()
+        finally:
+            timer.cancel()
+
+    def _read_output(self, path: str, limit: int, dropped: int, *, required: bool) -> bytes:
+        from smol import SmolError
+
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            if required and not _is_gone(exc):
+                raise GuestError(f"exec in {self.name}: could not read its output: {_describe(exc)}") from exc
+            return b""
+        return bounded(data, limit, dropped) if dropped else data
+
+    def _sh(self, script: str, *args: str, what: str) -> None:
+        """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
+        from smol import SmolError
+
+        try:
+            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
+                                    workdir=None, timeout=PLUMBING_TIMEOUT)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if result.exit_code != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+
+    # ---------------------------------------------------------------- files
+
+    def _sdk_write(self, path: str, data: bytes, mode: int | None) -> None:
+        from smol import SmolError
+
+        try:
+            self._machine.write_file(path, data, mode)
+        except SmolError as exc:
+            raise GuestError(f"write_file {path} in {self.name}: {_describe(exc)}") from exc
+
+    def write_file(self, path: str, data: bytes, mode: int | None) -> None:
+        parent = posixpath.dirname(path)
+        with self._lock:
+            if parent not in ("", "/"):
+                # The SDK's write_file does not create parent directories.
+                self._sh('mkdir -p -- "$1"', parent, what=f"write_file {path}: mkdir")
+            self._sdk_write(path, data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        from smol import SmolError
+
+        with self._lock:
+            try:
+                return self._machine.read_file(path)
+            except SmolError as exc:
+                raise GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
+
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+        with tempfile.TemporaryFile() as spool:
+            produce(spool)
+            spool.seek(0)
+            data = spool.read()
+        staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
+        with self._lock:
+            self._sdk_write(staged, data, 0o600)
+            self._sh('mkdir -p -- "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2"; exit $rc',
+                     guest_dir, staged, what=f"copy_in to {guest_dir}")
+
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+        from smol import SmolError
+
+        normalized = posixpath.normpath(guest_path)
+        parent, base = posixpath.split(normalized)
+        if not base:  # "/" itself
+            parent, base = "/", "."
+        staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
+        with self._lock:
+            try:
+                self._sh('tar -cf "$1" -C "$2" -- "$3"', staged, parent or "/", base,
+                         what=f"copy_out of {guest_path}")
+                try:
+                    data = self._machine.read_file(staged)
+                except SmolError as exc:
+                    raise GuestError(f"copy_out of {guest_path} in {self.name}: {_describe(exc)}") from exc
+            finally:
+                with contextlib.suppress(GuestError):
+                    self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
+        # BusyBox tar cannot rename members, so the renaming to ``arcname`` happens here.
+        with tempfile.TemporaryFile() as renamed:
+            _rename_members(io.BytesIO(data), renamed, base, arcname)
+            renamed.seek(0)
+            consume(renamed)
+
+    # ---------------------------------------------------------------- logs and lifetime
+
+    def logs(self) -> str:
+        if self._captured_logs is not None:
+            return self._captured_logs
+        return self._collect_logs()
+
+    def _collect_logs(self) -> str:
+        if self._target == "cloud":
+            from smol import SmolError
+
+            try:
+                return self._machine.logs(200)
+            except SmolError as exc:
+                return f"(smol cloud logs unavailable: {_describe(exc)})"
+        return read_local_logs(self.name)
+
+    def keep(self) -> None:
+        """Leave this guest alone at teardown (and so its source, which cannot go before it).
+
+        A local branch is still stopped by the SDK when this process exits: the engine ties a
+        non-detached machine to its process, and detach cannot be turned on after creation.
+        """
+        if self._owned and not self.kept:
+            self.kept = True
+            if self._on_release is not None:
+                self._on_release(self, True)
+
+    def registry_data(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self._machine.id, "target": self._target, "source": self._source}
+
+    def destroy(self) -> None:
+        """Delete the machine. Only a delete that succeeded (or found it gone) counts: after a
+        failed one the guest stays this backend's to retry, and ``close()`` tries again."""
+        if self._destroyed:
+            return
+        if not self._owned:
+            self._destroyed = True
+            return  # a source: the backend deletes it after its children
+        if self._captured_logs is None:
+            try:
+                # The engine deletes the logs with the machine.
+                self._captured_logs = self._collect_logs()
+            except Exception as exc:  # logs must never stop a delete
+                self._captured_logs = f"(logs could not be read before delete: {exc})"
+        delete_machine(self._machine, self.name, self._target)
+        self._destroyed = True
+        if self._on_release is not None:
+            self._on_release(self, False)
+
+
+def delete_machine(machine: Machine, name: str, target: str) -> None:
+    from smol import SmolError
+
+    try:
+        machine.delete()
+    except SmolError as exc:
+        if not _is_gone(exc):
+            raise GuestError(f"could not delete smol machine {name}: {_describe(exc)}") from exc
+    if target == "local":
+        remove_fork_lock(name)
+
+
+def read_local_logs(name: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The engine's per-machine log files, tails only (readable only until the machine is deleted)."""
+    directory = vm_data_dir(name)
+    parts: list[str] = []
+    for log in LOG_FILES:
+        path = directory / log
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail_bytes))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text.strip():
+            cut = " (tail)" if size > tail_bytes else ""
+            parts.append(f"--- {log}{cut}\n{text.rstrip()}")
+    return "\n".join(parts)
+
+
+def _rename_members(source: IO[bytes], out: IO[bytes], base: str, arcname: str) -> None:
+    """Copy a guest tar stream, renaming the top entry ``base`` to ``arcname``; content is untouched.
+
+    Names that are not under ``base`` pass through unchanged for the consumer to refuse.
+    """
+
+    def rename(name: str) -> str:
+        stripped = name[2:] if name.startswith("./") and base != "." else name
+        if stripped == base:
+            return arcname
+        if stripped.startswith(base + "/"):
+            return arcname + stripped[len(base):]
+        return name
+
+    try:
+        with tarfile.open(fileobj=source, mode="r|") as tin, \
+                tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tout:
+            for member in tin:
+                fileobj = tin.extractfile(member) if member.isreg() else None
+                changes: dict[str, Any] = {"name": rename(member.name)}
+                if member.islnk():
+                    changes["linkname"] = rename(member.linkname)
+                tout.addfile(member.replace(**changes, deep=False), fileobj)
+    except tarfile.TarError as exc:
+        raise GuestError(f"copy_out: the guest sent an unreadable archive: {exc}") from exc
