@@ -364,7 +364,7 @@ def test_cloud_key_is_found_in_the_cli_config(monkeypatch: pytest.MonkeyPatch, t
 def test_deleting_a_machine_that_never_existed_is_not_an_error() -> None:
     pytest.importorskip("smol")
     from pytest_smolvm.backends.smol import destroy_recorded, list_owned
-    from pytest_smolvm.probe import vm_data_dir
+    from pytest_smolvm.smol_sdk import vm_data_dir
 
     name = f"pytest-smolvm-never-{uuid.uuid4().hex[:12]}"
     destroy_recorded({"name": name, "target": "local"})
