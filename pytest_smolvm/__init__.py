@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_smolvm.errors import ExecError, GuestError, ProvisionError, SmolVMError, UsageError
+from pytest_smolvm.errors import ExecError, GuestError, GuestUserError, ProvisionError, SmolVMError, UsageError
 
 if TYPE_CHECKING:
+    from pytest_smolvm.aio import AsyncVM
     from pytest_smolvm.vm import VM, ExecResult
 
-__all__ = ["VM", "ExecError", "ExecResult", "GuestError", "ProvisionError", "SmolVMError", "UsageError"]
+__all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "ProvisionError",
+           "SmolVMError", "UsageError"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # The handle's module is imported on first use: pytest imports this package for every run
+    # The handle's modules are imported on first use: pytest imports this package for every run
     # of every project that has the plugin installed, most of which never touch a guest.
     if name in ("VM", "ExecResult"):
         from pytest_smolvm import vm
 
         return getattr(vm, name)
+    if name == "AsyncVM":
+        from pytest_smolvm.aio import AsyncVM
+
+        return AsyncVM
     raise AttributeError(f"module 'pytest_smolvm' has no attribute {name!r}")

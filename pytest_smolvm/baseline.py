@@ -2,7 +2,9 @@
 
 A baseline reference is a rootfs directory, a rootfs tarball (``.tar``, ``.tar.gz``,
 ``.tar.zst``), a ``docker save``/OCI archive, a ``.smolmachine`` (smol only) or a registry
-reference (smol only). No reference means the Alpine rootfs bundled in the smolmachines wheel.
+reference. No reference means the Alpine rootfs bundled in the smolmachines wheel. A registry
+reference is classified here and pinned to a digest (and pulled) by
+:func:`pytest_smolvm.oci.resolve_image`, which needs the settings (auth, offline).
 
 Unpacking happens once per host per digest, under a file lock, into a temporary dir that is
 renamed into place: concurrent first use from several processes is safe, and an interrupted
@@ -40,7 +42,7 @@ class Baseline:
     reference: str  # as the user wrote it; "bundled alpine" for the default
     kind: Kind
     path: Path | None
-    digest: str  # "sha256:<hex>", or the reference itself for registry refs
+    digest: str  # "sha256:<hex>"; a registry ref's own text until oci.resolve_image pins it
 
     @property
     def short_digest(self) -> str:
@@ -54,6 +56,7 @@ class Rootfs:
     path: Path
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    user: str = ""  # the image config's User ("" = root), for handles that can exec as a user
 
 
 def bundled_rootfs_tarball(option: str = "--smol-baseline") -> Path:
@@ -101,6 +104,10 @@ def check_reference(reference: str | None, rootdir: Path, *, option: str = "--sm
                              f"({', '.join(TAR_SUFFIXES)}, .smolmachine)")
     elif _looks_like_path(reference):
         raise UsageError(f"{option}={reference}: no such file or directory")
+    else:
+        from pytest_smolvm.oci.reference import parse
+
+        parse(reference, option)  # a malformed image name fails at startup, not at the first guest
 
 
 def _looks_like_path(reference: str) -> bool:
@@ -174,16 +181,20 @@ def tree_digest(root: Path) -> str:
 # --------------------------------------------------------------------------- unpacking
 
 
-def unpack(baseline: Baseline) -> Rootfs:
+def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     """The baseline as a rootfs tree, unpacked at most once per host per digest."""
+    if baseline.kind == "registry" and baseline.path is None:
+        raise UsageError(f"--smol-baseline={baseline.reference}: a registry reference must be pinned "
+                         "(pytest_smolvm.oci.resolve_image) before it can be unpacked")
     assert baseline.path is not None
     if baseline.kind == "rootfs-dir":
         return Rootfs(baseline.path)
-    if baseline.kind not in ("bundled", "rootfs-tar", "image-archive"):
+    if baseline.kind not in ("bundled", "rootfs-tar", "image-archive", "registry"):
         raise UsageError(f"--smol-baseline={baseline.reference}: a {baseline.kind} baseline needs the smol backend")
     store = cache_dir() / "baselines"
     store.mkdir(parents=True, exist_ok=True)
-    key = baseline.digest.split(":", 1)[-1][:32]
+    # A registry baseline's digest may name a multi-platform index: the tree is this host's manifest.
+    key = (baseline.path.name if baseline.kind == "registry" else baseline.digest.split(":", 1)[-1])[:32]
     final = store / key
     from filelock import FileLock
 
@@ -195,7 +206,11 @@ def unpack(baseline: Baseline) -> Rootfs:
         shutil.rmtree(staging, ignore_errors=True)
         try:
             (staging / "rootfs").mkdir(parents=True)
-            if baseline.kind == "image-archive":
+            if baseline.kind == "registry":
+                from pytest_smolvm.oci import unpack_image
+
+                config = unpack_image(baseline.path, staging / "rootfs", baseline.reference)
+            elif baseline.kind == "image-archive":
                 config = _unpack_image_archive(baseline.path, staging / "rootfs")
             else:
                 with _open_maybe_compressed(baseline.path) as stream:
@@ -203,17 +218,19 @@ def unpack(baseline: Baseline) -> Rootfs:
                 config = {}
             (staging / "image.json").write_text(json.dumps({
                 "reference": baseline.reference, "digest": baseline.digest,
-                "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/"}))
+                "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/",
+                "user": config.get("User") or ""}))
             os.replace(staging, final)
         except BaseException:
             force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
-        _log_preparation(store, baseline, elapsed)
+        _log_preparation(store, baseline, elapsed, by)
         return _load_rootfs(final)
 
 
-def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None]) -> Rootfs:
+def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None], *,
+                    by: str = "main") -> Rootfs:
     """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
 
     Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
@@ -235,24 +252,25 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
             capture(staging / "rootfs")
             (staging / "image.json").write_text(json.dumps({
                 "reference": f"{parent.reference} + setup", "digest": f"sha256:{key}", "parent": parent.digest,
-                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir}))
+                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir,
+                "user": parent_rootfs.user}))
             os.replace(staging, final)
         except BaseException:
             force_rmtree(staging)
             raise
         elapsed = time.monotonic() - started
         _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
-                         elapsed)
+                         elapsed, by)
         return _load_rootfs(final)
 
 
 PREPARATIONS = "preparations.jsonl"
 
 
-def _log_preparation(store: Path, baseline: Baseline, seconds: float) -> None:
+def _log_preparation(store: Path, baseline: Baseline, seconds: float, by: str) -> None:
     """One line per unpack ever done on this host: who did it and how long it took."""
     line = json.dumps({"digest": baseline.digest, "reference": baseline.reference, "pid": os.getpid(),
-                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "seconds": round(seconds, 3),
+                       "worker": by, "seconds": round(seconds, 3),
                        "at": time.time()}) + "\n"
     with open(store / PREPARATIONS, "a") as f:
         f.write(line)
@@ -278,7 +296,7 @@ def preparations(digest: str) -> list[dict[str, Any]]:
 def _load_rootfs(final: Path) -> Rootfs:
     meta = json.loads((final / "image.json").read_text())
     env = dict(item.split("=", 1) for item in meta["env"] if "=" in item)
-    return Rootfs(final / "rootfs", env, meta["workdir"])
+    return Rootfs(final / "rootfs", env, meta["workdir"], str(meta.get("user") or ""))
 
 
 def force_rmtree(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The ``pytest-smolvm`` command: doctor, ls, reap, shell."""
+"""The ``pytest-smolvm`` command: doctor, ls, reap, shell, pull."""
 
 from __future__ import annotations
 
@@ -78,6 +78,31 @@ def _shell(args: argparse.Namespace) -> int:
     return 2
 
 
+def _pull(args: argparse.Namespace) -> int:
+    """Pull and unpack an image into this host's cache, as a test run would (for CI warm-up)."""
+    from pytest_smolvm import baseline
+    from pytest_smolvm.errors import UsageError
+    from pytest_smolvm.oci import resolve_image
+    from pytest_smolvm.oci.reference import parse
+    from pytest_smolvm.settings import Settings
+
+    try:
+        if args.registry_auth:
+            from pytest_smolvm.oci.auth import parse_auth_option
+
+            parse_auth_option(args.registry_auth, "--registry-auth")
+        pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
+        rootfs = baseline.unpack(pinned, by="pytest-smolvm pull")
+    except UsageError as exc:
+        print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {args.image}"),
+              file=sys.stderr)
+        return 2
+    print(f"{args.image}: {pinned.digest}")
+    print(f"  pin it with: --smol-baseline={parse(args.image).with_digest(pinned.digest)}")
+    print(f"  unpacked at {rootfs.path}")
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from pytest_smolvm.doctor import run_doctor
 
@@ -94,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument("names", nargs="*", help="only these guests")
     reap.add_argument("--kept", action="store_true", help="also remove guests kept with --smol-keep")
     reap.set_defaults(run=_reap)
+    pull = sub.add_parser("pull", help="pull a registry image into this host's baseline cache (CI warm-up)")
+    pull.add_argument("image", help="name[:tag], registry/name:tag or name@sha256:...")
+    pull.add_argument("--registry-auth", metavar="[REGISTRY=]USER:PASSWORD",
+                      help="credentials (else $PYTEST_SMOLVM_REGISTRY_AUTH, else ~/.docker/config.json)")
+    pull.add_argument("--offline", action="store_true", help="only check that the image is in the cache")
+    pull.set_defaults(run=_pull)
     shell = sub.add_parser("shell", help="open a shell in a kept guest")
     shell.add_argument("name")
     shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")

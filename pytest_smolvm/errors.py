@@ -23,6 +23,10 @@ class GuestError(SmolVMError):
     """A guest operation (file transfer, exec plumbing) failed."""
 
 
+class GuestUserError(SmolVMError, LookupError):
+    """The user an exec or file operation asked for is unknown in the guest (or unusable)."""
+
+
 class ExecError(SmolVMError):
     """A command in the guest failed and ``check=True`` was asked for."""
 

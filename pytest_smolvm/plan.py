@@ -32,6 +32,7 @@ from pytest_smolvm import baseline as baselines
 from pytest_smolvm import reaper
 from pytest_smolvm.backends import Backend, BackendOptions, VMSpec, backend_class, spec_from_json, spec_to_json
 from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.oci import pin_registry_image
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.settings import Settings
 
@@ -137,7 +138,9 @@ class Planner:
         settings = self.settings
         selection = select_backend(settings.backend, settings.target)
         cls = backend_class(selection.name)
-        default = baselines.resolve(settings.baseline, settings.rootdir, option=settings.baseline_option)
+        default = pin_registry_image(
+            baselines.resolve(settings.baseline, settings.rootdir, option=settings.baseline_option),
+            settings, selection.name, option=settings.baseline_option, run_id=self.run_id)
         cls.check_baseline(default, option=settings.baseline_option)
         reaper.reap_dead(cls)  # what dead runs left, now that we know this run uses guests
         backend = cls(BackendOptions(target=settings.target, labels={"run": self.run_id, "worker": self.worker}))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from pytest_smolvm import artifacts, episodes, hookspecs, reporting
+from pytest_smolvm import artifacts, episodes, hookspecs, progress, reporting
 from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.run import SERVICE_INPUT, SmolRun
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
@@ -50,7 +50,9 @@ def pytest_configure(config: pytest.Config) -> None:
         run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
                       service_address=workerinput[SERVICE_INPUT])
     else:
-        run = SmolRun(settings)
+        distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
+        run = SmolRun(settings, worker="controller" if distributed else "main")
+    progress.install(config)  # pulling or unpacking a baseline says how far it got
     config.stash[RUN_KEY] = run
     config.stash[PROBLEMS_KEY] = []
     counter = GuestTestCounter()
@@ -119,6 +121,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     run = config.stash.get(RUN_KEY, None)
     if run is not None:
         run.close()  # idempotent; covers a session that never reached sessionfinish
+    progress.reset()
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -26,6 +26,7 @@ from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.oci import pin_registry_image
 from pytest_smolvm.plan import Planner, PlanSource, RunPlan
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
@@ -111,7 +112,8 @@ class GuestPool:
             return self.plan.baseline
         if image not in self._baselines:
             option = "@pytest.mark.smol(image)"
-            resolved = baselines.resolve(image, self.settings.rootdir, option=option)
+            resolved = pin_registry_image(baselines.resolve(image, self.settings.rootdir, option=option),
+                                          self.settings, self.plan.backend, option=option, run_id=self.run_id)
             backend_class(self.plan.backend).check_baseline(resolved, option=option)
             self._baselines[image] = resolved
         return self._baselines[image]
@@ -213,7 +215,9 @@ class GuestPool:
         record.data = guest.registry_data()
         record.save()
         vm = VM(guest, default_timeout=spec.timeout, backend=plan.backend, isolation=plan.isolation,
-                baseline=base.reference, digest=base.digest)
+                baseline=base.reference, digest=base.digest,
+                user=spec.user if spec.user is not None else self.settings.user,
+                output_limit=spec.output_limit or self.settings.output_limit)
         live = LiveGuest(vm, record, guest)
         self.live[name] = live
         return live

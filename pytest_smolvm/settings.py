@@ -19,13 +19,16 @@ BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
-MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit")
+DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
+SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-baseline", "smol_baseline",
      "baseline every guest forks from: rootfs dir, rootfs tarball (.tar/.tar.gz/.tar.zst), "
-     "docker-save/OCI archive, .smolmachine or registry ref (smol). Default: the bundled Alpine rootfs."),
+     "docker-save/OCI archive, .smolmachine (smol) or registry image (name:tag, host/name:tag, "
+     "name@sha256:...). Default: the bundled Alpine rootfs."),
     ("--smol-backend", "smol_backend",
      "auto (microVM if one boots here, else namespace), smol or namespace. Default: auto."),
     ("--smol-target", "smol_target", "where smol microVMs run: local or cloud. Default: local."),
@@ -36,7 +39,17 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
     ("--smol-logs", "smol_logs",
      "which tests' guest logs and transcripts go to every report sink: failed or always. Default: failed."),
+    ("--smol-user", "smol_user",
+     "guest user (name or uid in the guest's /etc/passwd) every exec and file operation runs as. "
+     "Default: root."),
+    ("--smol-output-limit", "smol_output_limit",
+     "bytes of each exec's stdout and stderr kept (head and tail; suffix k, m or g). Default: 16m."),
 )
+
+
+REGISTRY_AUTH_HELP = ("[REGISTRY=]USER:PASSWORD for pulling registry images (or set $PYTEST_SMOLVM_REGISTRY_AUTH, "
+                      "which keeps it out of ps); else ~/.docker/config.json is read.")
+OFFLINE_HELP = "pull nothing: registry images come from the host's cache only (pre-pull: pytest-smolvm pull IMAGE)."
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -45,6 +58,11 @@ def add_options(parser: pytest.Parser) -> None:
         group.addoption(option, dest=ini, default=None, metavar=ini.upper().removeprefix("SMOL_"),
                         help=help_text)
         parser.addini(ini, help=help_text, default=None)
+    # Credentials get no ini key: an ini file is committed.
+    group.addoption("--smol-registry-auth", dest="smol_registry_auth", default=None, metavar="AUTH",
+                    help=REGISTRY_AUTH_HELP)
+    group.addoption("--smol-offline", dest="smol_offline", action="store_true", default=None, help=OFFLINE_HELP)
+    parser.addini("smol_offline", help=OFFLINE_HELP, type="bool", default=False)
 
 
 @dataclass(frozen=True)
@@ -57,8 +75,12 @@ class Settings:
     results: Path | None = None
     artifacts: Path | None = None
     logs: str = "failed"
+    user: str | None = None
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
+    registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used
+    offline: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -92,6 +114,12 @@ class Settings:
         name, value, _ = get("smol_max_vms")
         if value is not None:
             settings = replace(settings, max_vms=_positive_int(name, value))
+        name, value, _ = get("smol_user")
+        if value is not None:
+            changes["user"] = _guest_user(name, value)
+        name, value, _ = get("smol_output_limit")
+        if value is not None:
+            changes["output_limit"] = byte_size(name, value)
         name, value, base = get("smol_baseline")
         if value is not None:
             from pytest_smolvm.baseline import check_reference
@@ -104,6 +132,14 @@ class Settings:
                 if not value.strip():
                     raise UsageError(f"{name}: expected a path, got an empty value")
                 changes[attr] = base / Path(value).expanduser()
+        auth_value = config.getoption("smol_registry_auth", None)
+        if auth_value is not None:
+            from pytest_smolvm.oci.auth import parse_auth_option
+
+            parse_auth_option(str(auth_value))  # a malformed value fails here, naming the option
+            changes["registry_auth"] = str(auth_value)
+        offline = config.getoption("smol_offline", None)
+        changes["offline"] = bool(offline) if offline is not None else bool(config.getini("smol_offline"))
         return replace(settings, **changes)
 
 
@@ -130,6 +166,31 @@ def _positive_int(name: str, value: Any) -> int:
     return number
 
 
+def _guest_user(name: str, value: Any) -> str | int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip() and ":" not in value and value == value.strip():
+        return value
+    raise UsageError(f"{name}={value!r}: expected a user name or uid known in the guest")
+
+
+def byte_size(name: str, value: Any) -> int:
+    """A positive byte count: an int, or a string like ``4096``, ``64k``, ``16m``, ``1g``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        digits, suffix = (text[:-1], text[-1]) if text[-1:] in SIZE_SUFFIXES else (text, "")
+        if not digits.isdigit():
+            raise UsageError(f"{name}={value}: expected a byte count like 1048576, 64k or 16m")
+        number = int(digits) * SIZE_SUFFIXES[suffix]
+    else:
+        raise UsageError(f"{name}={value!r}: expected a byte count like 1048576, 64k or 16m")
+    if number <= 0:
+        raise UsageError(f"{name}={value}: expected a positive byte count")
+    return number
+
+
 def _positive_number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"{name}={value!r}: expected a positive number")
@@ -149,6 +210,8 @@ class MarkerSpec:
     allow_hosts: tuple[str, ...] = ()
     timeout: float | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    user: str | int | None = None  # None: --smol-user, else root
+    output_limit: int | None = None  # None: --smol-output-limit, else 16 MiB
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
         """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
@@ -159,7 +222,7 @@ class MarkerSpec:
         changes: dict[str, Any] = {}
         for key, value in overrides.items():
             label = f"{where}({key}=...)"
-            if value is None and key in ("image", "cpus", "memory_mb", "timeout"):
+            if value is None and key in ("image", "cpus", "memory_mb", "timeout", "user", "output_limit"):
                 changes[key] = None
             elif key == "image":
                 if not isinstance(value, str) or not value:
@@ -173,6 +236,10 @@ class MarkerSpec:
                 changes[key] = _positive_int(f"{where}(memory_mb)", value)
             elif key == "timeout":
                 changes[key] = _positive_number(f"{where}(timeout)", value)
+            elif key == "user":
+                changes[key] = _guest_user(f"{where}(user)", value)
+            elif key == "output_limit":
+                changes[key] = byte_size(f"{where}(output_limit)", value)
             elif key == "network":
                 if not isinstance(value, bool):
                     raise UsageError(f"{where}(network={value!r}): expected True or False")
@@ -200,6 +267,7 @@ def marker_spec(item: pytest.Item) -> MarkerSpec:
 
 
 MARKERS = (
-    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}): "
+    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
+    "user=None, output_limit=None): "
     "guest settings for this test's smol_vm (pytest-smolvm)",
 )

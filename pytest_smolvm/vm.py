@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import posixpath
 import shutil
 import subprocess
 import tarfile
@@ -12,20 +13,33 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Final
 
 from pytest_smolvm.errors import ExecError, GuestError
+from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT
 
 if TYPE_CHECKING:
-    from pytest_smolvm.backends import Guest
+    from pytest_smolvm.aio import AsyncVM
+    from pytest_smolvm.backends import Cancel, Guest, OutputCallback
 
-DEFAULT_OUTPUT_LIMIT = 16 << 20  # per stream; beyond it the middle is dropped with a marker
+DEFAULT_READ_LIMIT = 64 << 20  # read_file's cap unless max_bytes says otherwise
 TRANSCRIPT_TAIL = 2000
 PAYLOAD = "payload"
 
 
 def _tail(text: str, limit: int = TRANSCRIPT_TAIL) -> str:
     return text if len(text) <= limit else f"[... {len(text) - limit} chars]\n" + text[-limit:]
+
+
+class _Omitted:
+    """The type of :data:`DEFAULT`: ``timeout`` not given, as distinct from ``timeout=None``."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Final = _Omitted()
+Timeout = float | None | _Omitted
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,7 @@ class ExecResult:
     timed_out: bool = False
     stdout_bytes: bytes = field(default=b"", repr=False)
     stderr_bytes: bytes = field(default=b"", repr=False)
+    truncated: tuple[str, ...] = ()  # the streams ("stdout", "stderr") cut at the output limit
 
     @property
     def ok(self) -> bool:
@@ -81,9 +96,12 @@ class VM:
     """A fresh guest for one test. Every method talks to that guest only."""
 
     def __init__(self, guest: Guest, *, default_timeout: float | None = None,
-                 backend: str = "", isolation: str = "", baseline: str = "", digest: str = "") -> None:
+                 backend: str = "", isolation: str = "", baseline: str = "", digest: str = "",
+                 user: str | int | None = None, output_limit: int = DEFAULT_OUTPUT_LIMIT) -> None:
         self._guest = guest
         self.default_timeout = default_timeout
+        self.user = user  # every exec and file operation runs as this guest user (None: the image's)
+        self.output_limit = output_limit
         self.backend = backend
         self.isolation = isolation
         self.baseline = baseline
@@ -94,19 +112,42 @@ class VM:
     def name(self) -> str:
         return self._guest.name
 
+    @property
+    def workdir(self) -> str:
+        """The guest's working directory (the image's ``WorkingDir``, else ``/``): relative
+        guest paths and a relative ``workdir`` resolve against it."""
+        return str(getattr(self._guest, "workdir", None) or "/")
+
+    @functools.cached_property
+    def aio(self) -> AsyncVM:
+        """This guest as an async handle: ``await smol_vm.aio.exec(...)``."""
+        from pytest_smolvm.aio import AsyncVM
+
+        return AsyncVM(self)
+
     def __repr__(self) -> str:
         return f"<VM {self.name} backend={self.backend}>"
 
     # ------------------------------------------------------------------ exec
 
-    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+    def exec(self, cmd: str | Sequence[str], *, timeout: Timeout = DEFAULT,
              env: Mapping[str, str] | None = None, workdir: str | None = None,
-             stdin: str | bytes | None = None, check: bool = False) -> ExecResult:
+             stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
+             on_output: OutputCallback | None = None) -> ExecResult:
         """Run ``cmd`` in the guest: a string through ``/bin/sh -c``, a list as argv.
 
-        ``timeout`` (seconds, default: the marker's ``timeout``) kills the command's process
-        group in the guest and returns ``timed_out=True``; the test process is untouched.
+        ``timeout`` (seconds; omitted: the marker's ``timeout``; ``None``: no limit) kills the
+        command's process group in the guest and returns ``timed_out=True``; the test process
+        is untouched. ``user`` (name or uid in the guest) runs it as that user. ``on_output``
+        gets ``("stdout" | "stderr", bytes)`` chunks as they arrive. An argv whose program is
+        missing or not executable raises ``FileNotFoundError``/``PermissionError``.
         """
+        return self._exec(cmd, timeout=timeout, env=env, workdir=workdir, stdin=stdin, user=user,
+                          check=check, on_output=on_output, cancel=None)
+
+    def _exec(self, cmd: str | Sequence[str], *, timeout: Timeout, env: Mapping[str, str] | None,
+              workdir: str | None, stdin: str | bytes | None, user: str | int | None, check: bool,
+              on_output: OutputCallback | None, cancel: Cancel | None) -> ExecResult:
         if isinstance(cmd, str):
             argv, shown = ["/bin/sh", "-c", cmd], cmd
         else:
@@ -114,39 +155,49 @@ class VM:
             if not argv:
                 raise ValueError("exec: cmd is an empty list")
             shown = " ".join(argv)
-        if timeout is None:
-            timeout = self.default_timeout
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"exec: timeout must be positive, got {timeout}")
+        limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
+            raise ValueError(f"exec: timeout must be a positive number or None, got {limit!r}")
         data = stdin.encode() if isinstance(stdin, str) else stdin
+        run_as = user if user is not None else self.user
         started = time.monotonic()
         try:
-            raw = self._guest.exec(argv, env=dict(env or {}), workdir=workdir, stdin=data,
-                                   timeout=timeout, output_limit=DEFAULT_OUTPUT_LIMIT)
+            raw = self._guest.exec(
+                argv, env=dict(env or {}), workdir=self._guest_path(workdir, "exec") if workdir else None,
+                stdin=data, timeout=limit, output_limit=self.output_limit,
+                user=None if run_as is None else str(run_as), on_output=on_output, cancel=cancel)
         except Exception as exc:
             self.transcript.append(TranscriptEntry(shown, None, time.monotonic() - started, error=str(exc)))
             raise
         result = ExecResult(shown, raw.exit_code, raw.stdout.decode("utf-8", "replace"),
                             raw.stderr.decode("utf-8", "replace"), time.monotonic() - started,
-                            raw.timed_out, raw.stdout, raw.stderr)
+                            raw.timed_out, raw.stdout, raw.stderr, raw.truncated)
         self.transcript.append(TranscriptEntry(shown, result.exit_code, result.duration,
-                                               _tail(result.stdout), _tail(result.stderr), result.timed_out))
+                                               _tail(result.stdout), _tail(result.stderr), result.timed_out,
+                                               error="cancelled" if raw.cancelled else ""))
         return result.check() if check else result
 
     # ------------------------------------------------------------------ files
 
     def write_file(self, path: str, data: str | bytes, *, mode: int | None = None) -> None:
-        """Write ``data`` (text is UTF-8 encoded) to ``path`` in the guest, creating parent dirs."""
-        _require_absolute(path, "write_file")
-        self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode)
+        """Write ``data`` (text is UTF-8 encoded) to ``path`` in the guest, creating parent dirs.
 
-    def read_file(self, path: str) -> bytes:
-        _require_absolute(path, "read_file")
-        return self._guest.read_file(path)
+        Guest refusals raise ``OSError`` subclasses (``PermissionError``, ...) naming the path.
+        """
+        path = self._guest_path(path, "write_file")
+        self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode,
+                               user=self._user())
+
+    def read_file(self, path: str, *, max_bytes: int = DEFAULT_READ_LIMIT) -> bytes:
+        """The bytes of guest file ``path``; a file over ``max_bytes`` raises ``OSError(EFBIG)``."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"read_file: max_bytes must be a positive integer, got {max_bytes!r}")
+        path = self._guest_path(path, "read_file")
+        return self._guest.read_file(path, max_bytes=max_bytes, user=self._user())
 
     def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
         """Copy a host file or tree to ``dest`` in the guest (modes kept, links copied as links)."""
-        _require_absolute(dest, "copy_in")
+        dest = self._guest_path(dest, "copy_in")
         source = Path(src)
         if not source.exists() and not source.is_symlink():
             raise FileNotFoundError(f"copy_in: no such host file or directory: {source}")
@@ -166,7 +217,7 @@ class VM:
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 tar.add(source, arcname=arcname, recursive=True, filter=_owned_by_guest_root)
 
-        self._guest.put_archive(target_dir, produce)
+        self._guest.put_archive(target_dir, produce, user=self._user())
 
     def copy_out(self, src: str, dest: str | os.PathLike[str]) -> Path:
         """Copy a guest file or tree to ``dest`` on the host; returns ``dest``.
@@ -174,7 +225,7 @@ class VM:
         The guest controls what arrives: absolute paths, ``..``, device files and links that
         point outside ``dest`` are refused, and nothing is written outside ``dest``.
         """
-        _require_absolute(src, "copy_out")
+        src = self._guest_path(src, "copy_out")
         target = Path(dest)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink():
@@ -194,7 +245,7 @@ class VM:
                         except tarfile.FilterError as exc:
                             raise GuestError(f"copy_out: refused {member.name!r} from the guest: {exc}") from exc
 
-            self._guest.get_archive(src, PAYLOAD, consume)
+            self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
             payload = staging / PAYLOAD
             if not payload.exists() and not payload.is_symlink():
                 raise GuestError(f"copy_out: the guest sent nothing for {src}")
@@ -206,6 +257,15 @@ class VM:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    def _user(self) -> str | None:
+        return None if self.user is None else str(self.user)
+
+    def _guest_path(self, path: str, what: str) -> str:
+        """``path`` as the guest sees it: a relative one is taken from :attr:`workdir`."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{what}: guest path must be a non-empty string, got {path!r}")
+        return path if path.startswith("/") else posixpath.join(self.workdir, path)
 
     # ------------------------------------------------------------------ logs
 
@@ -281,8 +341,3 @@ def _owned_by_guest_root(member: tarfile.TarInfo) -> tarfile.TarInfo:
     # Host uids mean nothing in the guest (and are unmapped in a user namespace, where a
     # failed chown would also skip the chmod): copied-in files belong to the guest's root.
     return member.replace(uid=0, gid=0, uname="root", gname="root", deep=False)
-
-
-def _require_absolute(path: str, what: str) -> None:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ValueError(f"{what}: guest path must be absolute, got {path!r}")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.leaks import assert_host_clean
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester", "tests.registry_fixtures"]
 TEST_TIMEOUT = 300  # seconds: a hung scenario fails instead of stalling CI
 
 

@@ -43,6 +43,9 @@ def assert_one_line_setup_error(result: pytest.RunResult, *needles: str) -> None
     (["--smol-max-vms=lots"], ["--smol-max-vms=lots", "positive integer"]),
     (["--smol-baseline=./no/such/rootfs.tar"], ["--smol-baseline=./no/such/rootfs.tar", "no such file"]),
     (["--smol-baseline=/definitely/missing"], ["--smol-baseline=/definitely/missing", "no such file"]),
+    (["--smol-output-limit=lots"], ["--smol-output-limit=lots", "byte count"]),
+    (["--smol-output-limit=0"], ["--smol-output-limit=0", "positive"]),
+    (["--smol-user=a:b"], ["--smol-user", "user name or uid"]),
 ])
 def test_bad_option_is_one_line_usage_error(pytester: pytest.Pytester, smol_state: Path,
                                             args: list[str], needles: list[str]) -> None:
@@ -105,6 +108,10 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),
     ("image='./no-such-rootfs'", "no such file"),
+    ("user=''", "user"),
+    ("user=True", "user"),
+    ("output_limit=-5", "output_limit"),
+    ("output_limit='many'", "output_limit"),
 ])
 def test_bad_marker_is_a_one_line_setup_error(pytester: pytest.Pytester, smol_state: Path,
                                               marker: str, needle: str) -> None:
@@ -139,6 +146,33 @@ def test_marker_precedence_closest_wins_per_keyword(pytester: pytest.Pytester, s
             assert vm.exec("echo $LEVEL $M").stdout == "factory m\\n"
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
+
+
+def test_default_user_and_output_limit_from_ini_option_and_marker(pytester: pytest.Pytester,
+                                                                   smol_state: Path) -> None:
+    pytester.makeini("[pytest]\nsmol_user = nobody\nsmol_output_limit = 2k\n")
+    pytester.makepyfile("""
+        import pytest
+
+        def test_ini(smol_vm):
+            assert smol_vm.exec("id -un").stdout == "nobody\\n"
+            with pytest.raises(PermissionError):
+                smol_vm.write_file("/etc/owned-by-root", "x")  # file operations run as the user too
+            assert smol_vm.exec("head -c 5000 /dev/zero").truncated == ("stdout",)
+
+        @pytest.mark.smol(user="root", output_limit=10000)
+        def test_marker_wins(smol_vm):
+            assert smol_vm.exec("id -u").stdout == "0\\n"
+            smol_vm.write_file("/etc/owned-by-root", "x")
+            assert smol_vm.exec("head -c 5000 /dev/zero").truncated == ()
+
+        def test_factory_keyword(smol_vm_factory):
+            assert smol_vm_factory(user=0).exec("id -u").stdout == "0\\n"
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=3)
+    result = pytester.runpytest_subprocess("--smol-user=root", "-k", "test_ini")
+    result.assert_outcomes(failed=1)  # the command line beats the ini: now root runs test_ini
+    result.stdout.fnmatch_lines(["*id -un*"])
 
 
 def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:

@@ -58,9 +58,14 @@ def test_a_normal_user_gets_isolated_guests(shared_cache: Path) -> None:
         (home / "test_user.py").write_text('''
 import pytest
 
+from pytest_smolvm import GuestUserError
+
 @pytest.mark.parametrize("i", range(4))
 def test_guest(smol_vm, i, tmp_path):
     assert smol_vm.exec("id -u").stdout == "0\\n"          # root inside its own user namespace
+    assert smol_vm.exec("id -u", user="root").stdout == "0\\n"
+    with pytest.raises(GuestUserError, match="maps only root"):  # no other uid is mapped
+        smol_vm.exec("true", user="nobody")
     assert smol_vm.exec("ls /workspace").stdout == ""     # nothing from another test
     smol_vm.write_file("/workspace/mine", str(i))
     smol_vm.copy_in(__file__, "/workspace/copied.py")

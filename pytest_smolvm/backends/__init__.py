@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -79,24 +80,80 @@ class GuestExecResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
+    truncated: tuple[str, ...] = ()  # "stdout"/"stderr": cut at the output limit
+    cancelled: bool = False
+
+
+OutputCallback = Callable[[str, bytes], None]  # ("stdout" | "stderr", chunk), as it arrives
+
+
+class Cancel:
+    """Asks a running guest call to stop; the backend then kills the guest command.
+
+    Thread-safe: ``cancel()`` comes from another thread (an event loop whose task was
+    cancelled) while the call runs in its own. Callbacks run once, in the cancelling thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on cancel (at once if cancelled already)."""
+        with self._lock:
+            if not self._cancelled:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def remove(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
 
 
 class Guest(Protocol):
-    """One live guest. Methods raise :class:`pytest_smolvm.errors.GuestError` on failure."""
+    """One live guest, safe to call from several threads at once.
+
+    Methods raise :class:`pytest_smolvm.errors.GuestError` when the guest is gone or broken;
+    file operations raise ``OSError`` subclasses (errno, guest path) for the guest's own
+    refusals; ``user`` (a name or uid in the guest's /etc/passwd, None for the guest's
+    default) raises :class:`pytest_smolvm.errors.GuestUserError` when unknown. A guest may
+    have a ``workdir`` attribute (the image's working directory); ``/`` otherwise.
+    """
 
     name: str
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
-             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult: ...
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        """Run ``argv``; a program that cannot start raises ``OSError`` as ``subprocess`` does."""
 
-    def write_file(self, path: str, data: bytes, mode: int | None) -> None: ...
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None: ...
 
-    def read_file(self, path: str) -> bytes: ...
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
+        """The file's bytes; past ``max_bytes``, ``OSError(EFBIG)``."""
 
-    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         """Extract into ``guest_dir`` the uncompressed tar stream that ``produce`` writes."""
 
-    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         """Stream ``guest_path`` (file or tree, as ``arcname``) as a tar to ``consume``.
 
         The stream is guest-controlled: ``consume`` must treat it as hostile.

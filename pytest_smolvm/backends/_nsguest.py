@@ -170,6 +170,7 @@ def _mount_root(req: dict[str, Any]) -> str:
     _mount("smolvm-shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
     for sub in ("proc", "tmp", "workspace"):  # /workspace: as on every smol machine
         os.makedirs(os.path.join(root, sub), exist_ok=True)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)  # as a smol machine's tmpfs /tmp: every guest user may write
     return root
 
 
@@ -225,11 +226,17 @@ def _drop_capabilities() -> None:
 
 
 class Init:
-    """pid 1 of one guest: serves requests from the host and reaps every orphan."""
+    """pid 1 of one guest: serves requests from the host and reaps every orphan.
+
+    Every request that starts a guest process brings its own fds: stdin, stdout, stderr and a
+    *status* socket. The init reports on that socket only ({"pid"}, then {"exit"}, or an
+    {"error"}), so requests never share a reply channel and the host can run any number of
+    them at once. A request too big for one control message comes as a memfd (``body``).
+    """
 
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
-        self.children: dict[int, int] = {}  # pid -> request id
+        self.children: dict[int, int] = {}  # pid -> that request's status fd
         # An exec's Popen stays referenced until reap() has its status: a dropped, unfinished
         # Popen would go to subprocess's _active list, whose polling could reap it first.
         self.popens: dict[int, subprocess.Popen[bytes]] = {}
@@ -268,7 +275,7 @@ class Init:
                         self.owner_gone()
                         poller.unregister(self.ctl)
                     else:
-                        self.handle(message, fds)
+                        self.handle_safely(message, fds)
             self.reap()
 
     def owner_gone(self) -> None:
@@ -283,16 +290,35 @@ class Init:
                 return
             if pid == 0:
                 return
-            request_id = self.children.pop(pid, None)
+            status_fd = self.children.pop(pid, None)
             popen = self.popens.pop(pid, None)
             if popen is not None:
                 popen.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by subprocess
-            if request_id is not None:
+            if status_fd is not None:
                 code = os.waitstatus_to_exitcode(status)
                 if code < 0:
                     code = SIGNAL_EXIT_BASE - code
+                _report(status_fd, {"exit": code})
+                os.close(status_fd)
+
+    def handle_safely(self, message: dict[str, Any], fds: list[int]) -> None:
+        """pid 1 must outlive any one malformed request: its death would end the guest."""
+        try:
+            if message.get("body"):
+                body_fd = fds.pop()
                 try:
-                    _send(self.ctl, {"id": request_id, "exit": code})
+                    message = json.loads(_read_body(body_fd))
+                finally:
+                    os.close(body_fd)
+            self.handle(message, fds)
+        except Exception as exc:
+            if len(fds) > 3:
+                error = (_error(exc, None, str(message.get("op"))) if isinstance(exc, OSError)  # fork: EAGAIN
+                         else {"message": f"bad request: {type(exc).__name__}: {exc}"})
+                _report(fds[3], {"error": error})
+            for fd in fds:
+                try:
+                    os.close(fd)
                 except OSError:
                     pass
 
@@ -310,18 +336,23 @@ class Init:
             return
         if op == "keep":
             self.keep = bool(message.get("keep", True))
-            _send(self.ctl, {"id": message["id"], "ok": True})
+            _report(fds[0], {"ok": True})
+            os.close(fds[0])
             return
-        if op == "exec":
+        if len(fds) != 4:
+            raise ValueError(f"{op} needs 4 fds (stdin, stdout, stderr, status), got {len(fds)}")
+        if op == "exec" and message.get("user") is None:
             self.spawn(message, fds)
             return
-        pid = os.fork()  # a file operation: it runs this file's Python code in the child
+        # A file operation, or an exec as another user: the child runs this file's Python
+        # code (user lookup, setuid, the operation) before anything else.
+        pid = os.fork()
         if pid == 0:
             self.run_child(message, fds)  # never returns
-        for fd in fds:
+        for fd in fds[:3]:
             os.close(fd)
-        self.children[pid] = message["id"]
-        _send(self.ctl, {"id": message["id"], "pid": pid})
+        self.children[pid] = fds[3]
+        _report(fds[3], {"pid": pid})
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
         """Start an exec request's command through subprocess (vfork + execve), not os.fork.
@@ -329,46 +360,40 @@ class Init:
         Why: os.fork() of this Python process copies its page tables, and then each side pays
         a copy-on-write fault for every page it touches until the child's execve; on this
         project's (paravirtualized) hosts that is ~2 ms per exec. subprocess uses vfork: no
-        copy, a fraction of that. The command starts as before: a new session (its pid is its
-        process group, for timeouts), default dispositions for the signals this process
+        copy, a fraction of that. The command starts in a new session (its pid is its
+        process group, for timeouts), with default dispositions for the signals this process
         catches (see __init__), fds 0/1/2 from the request and no other fd, the cwd, and
         execvpe's PATH search over the request's env. A failed chdir or execve is reported
-        as before: a line on the command's stderr and exit 126 or 127.
+        on the status socket with its errno, as subprocess would raise it.
         """
-        request_id = message["id"]
         argv, env = message["argv"], message["env"]
         cwd = message.get("cwd") or "/"
+        status_fd = fds[3]
         try:
             # The chdir happens here, not through Popen(cwd=): then every OSError Popen
-            # raises is execve's, and a bad workdir keeps its own message and exit code.
+            # raises is execve's, and a bad workdir is reported as the workdir's error.
             try:
                 os.chdir(cwd)
             except OSError as exc:
-                self.spawn_failed(request_id, fds, f"cannot enter workdir {cwd}: {exc.strerror}", 126)
+                self.spawn_failed(fds, _error(exc, cwd, "workdir"))
                 return
             try:
-                popen = _popen_vpe(argv, env, fds)
+                popen = _popen_vpe(argv, env, fds[:3])
             except OSError as exc:
-                self.spawn_failed(request_id, fds, f"{argv[0]}: {exc.strerror}",
-                                  127 if exc.errno == errno.ENOENT else 126)
+                self.spawn_failed(fds, _error(exc, argv[0], "exec"))
                 return
         finally:
             os.chdir("/")
-        for fd in fds:
+        for fd in fds[:3]:
             os.close(fd)
-        self.children[popen.pid] = request_id
+        self.children[popen.pid] = status_fd
         self.popens[popen.pid] = popen
-        _send(self.ctl, {"id": request_id, "pid": popen.pid})
+        _report(status_fd, {"pid": popen.pid})
 
-    def spawn_failed(self, request_id: int, fds: list[int], detail: str, code: int) -> None:
-        try:
-            os.write(fds[2], f"pytest-smolvm: {detail}\n".encode(errors="replace"))
-        except OSError:
-            pass
+    def spawn_failed(self, fds: list[int], error: dict[str, Any]) -> None:
+        _report(fds[3], {"error": error})  # no process: no pid, no exit
         for fd in fds:
             os.close(fd)
-        _send(self.ctl, {"id": request_id, "pid": 0})  # no process: nothing to kill on timeout
-        _send(self.ctl, {"id": request_id, "exit": code})
 
     def run_child(self, message: dict[str, Any], fds: list[int]) -> None:
         code = 1
@@ -377,20 +402,131 @@ class Init:
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
-            for target, fd in enumerate(fds):
+            for target, fd in enumerate(fds[:3]):
                 os.dup2(fd, target)
-            os.closerange(3, 65536)
+            os.dup2(fds[3], STATUS_FD, inheritable=False)  # closed by a successful execve
+            os.closerange(STATUS_FD + 1, 65536)
+            if message.get("user") is not None:
+                _become(message)
             if message["op"] == "exec":
                 _exec(message)
             code = FILE_OPS[message["op"]](message)
         except SystemExit as exc:
             code = int(exc.code or 0)
+        except UserError as exc:
+            _report(STATUS_FD, {"error": {"user": str(exc)}})
+        except OSError as exc:
+            _report(STATUS_FD, {"error": _error(exc, message.get("path"), message["op"])})
         except BaseException as exc:  # report anything to the host, never crash pid 1's loop
             try:
                 os.write(2, f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
             except OSError:
                 pass
         os._exit(code)
+
+
+STATUS_FD = 3  # in a request's child: where it reports a structured error
+MAX_BODY = 64 << 20  # a request body (memfd) beyond this is refused; ARG_MAX is at most 6 MiB
+
+
+class UserError(Exception):
+    """The request's user is not known in the guest, or cannot be switched to."""
+
+
+def _report(fd: int, message: dict[str, Any]) -> None:
+    try:
+        os.write(fd, json.dumps(message).encode())
+    except OSError:
+        pass  # the host stopped listening: nothing to tell
+
+
+def _error(exc: OSError, filename: Any, what: str) -> dict[str, Any]:
+    error: dict[str, Any] = {"errno": exc.errno, "strerror": exc.strerror or str(exc),
+                             "filename": exc.filename if isinstance(exc.filename, str) else filename,
+                             "what": what}
+    if exc.errno == errno.E2BIG:
+        error["arg_max"] = os.sysconf("SC_ARG_MAX")
+    return error
+
+
+def _read_body(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    if size > MAX_BODY:
+        raise ValueError(f"request body of {size} bytes is over {MAX_BODY}")
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _guest_table(path: str) -> list[list[str]]:
+    """/etc/passwd or /etc/group of the guest, parsed here: the guest's NSS modules never load.
+
+    This runs in the request's child, never in pid 1: a guest that made the file a FIFO or
+    a huge file stalls only this request, which the host's timeout kills.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"{path} in the guest is not a regular file")
+        data = os.read(fd, 4 << 20)
+    finally:
+        os.close(fd)
+    return [line.split(":") for line in data.decode("utf-8", "replace").splitlines()
+            if line and not line.startswith("#")]
+
+
+def _lookup_user(user: str | int) -> tuple[str, int, int, list[int], str]:
+    """(name, uid, gid, supplementary gids, home) of a guest user given by name or uid."""
+    try:
+        users = _guest_table("/etc/passwd")
+    except FileNotFoundError:
+        users = []
+    wanted = str(user)
+    entry = next((e for e in users if len(e) >= 6 and e[0] == wanted), None)
+    if entry is None and wanted.isdigit():
+        entry = next((e for e in users if len(e) >= 6 and e[2] == wanted), None)
+    if entry is None:
+        raise UserError(f"user {user!r} is not in the guest's /etc/passwd")
+    try:
+        name, uid, gid, home = entry[0], int(entry[2]), int(entry[3]), entry[5] or "/"
+    except ValueError:
+        raise UserError(f"user {user!r} has a malformed /etc/passwd entry in the guest") from None
+    groups = {gid}
+    try:
+        for group in _guest_table("/etc/group"):
+            if len(group) >= 4 and name in group[3].split(",") and group[2].isdigit():
+                groups.add(int(group[2]))
+    except FileNotFoundError:
+        pass
+    return name, uid, gid, sorted(groups), home
+
+
+def _become(message: dict[str, Any]) -> None:
+    """Switch this request's child to the request's user: groups, gid, uid, and its HOME."""
+    name, uid, gid, groups, home = _lookup_user(message["user"])
+    try:
+        if (uid, gid) == (os.getuid(), os.getgid()):
+            try:
+                os.setgroups(groups)
+            except PermissionError:
+                pass  # already this user; a user namespace that maps only root cannot set groups
+        else:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+    except OSError as exc:
+        raise UserError(f"cannot switch to user {message['user']!r} (uid {uid}): {exc.strerror}; "
+                        "an unprivileged host's guest maps only root") from None
+    if message["op"] == "exec":
+        explicit = set(message.get("explicit", ()))
+        for key, value in (("HOME", home), ("USER", name), ("LOGNAME", name)):
+            if key not in explicit:
+                message["env"][key] = value
 
 
 def _popen_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> subprocess.Popen[bytes]:
@@ -422,17 +558,19 @@ def _popen_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> subproce
 
 
 def _exec(message: dict[str, Any]) -> None:
+    """Exec in a forked child (an exec as another user); errors go to the status socket."""
     env = message["env"]
     argv = message["argv"]
+    cwd = message.get("cwd") or "/"
     try:
-        os.chdir(message.get("cwd") or "/")
+        os.chdir(cwd)
     except OSError as exc:
-        os.write(2, f"pytest-smolvm: cannot enter workdir {message.get('cwd')}: {exc.strerror}\n".encode())
+        _report(STATUS_FD, {"error": _error(exc, cwd, "workdir")})
         os._exit(126)
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:
-        os.write(2, f"pytest-smolvm: {argv[0]}: {exc.strerror}\n".encode())
+        _report(STATUS_FD, {"error": _error(exc, argv[0], "exec")})
         os._exit(127 if exc.errno == errno.ENOENT else 126)
 
 

@@ -7,23 +7,22 @@ per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups
-from pytest_smolvm.backends import BackendOptions, Guest, GuestExecResult, VMSpec
-from pytest_smolvm.backends.output import BoundedBuffer
+from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
+from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
@@ -94,166 +93,87 @@ class Zygote:
 
 
 class NamespaceGuest:
+    """One namespace guest. Calls from several threads run at once: each has its own channel."""
+
     def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
                  cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str]) -> None:
         self.name = name
-        self._ctl = ctl
+        self._channel = Channel(ctl, name)
         self.pid = pid
         self.pid_start = process_start_time(pid)
         self.scratch = scratch
         self.cgroup_dirs = cgroup_dirs
         self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
-        self._workdir = rootfs.workdir or "/"
-        self._lock = threading.Lock()
-        self._next_id = 0
+        self._spec_env_keys = set(spec_env)
+        self.workdir = rootfs.workdir or "/"
+        # The image config's User ("name", "uid", "name:group"): the user of every call that names
+        # none. The group part is not honoured separately: the user's own groups apply.
+        self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
-
-    # ---------------------------------------------------------------- request plumbing
-
-    def _start(self, message: dict[str, Any], fds: Sequence[int]) -> tuple[int, int]:
-        """Send a request that forks a guest child; returns (request id, guest pid)."""
-        self._next_id += 1
-        request_id = self._next_id
-        try:
-            _send(self._ctl, {**message, "id": request_id}, fds)
-            reply, _ = _recv(self._ctl)
-        except OSError as exc:
-            raise GuestError(f"guest {self.name} is gone: {exc}") from exc
-        if reply is None:
-            raise GuestError(f"guest {self.name} is gone (its init exited)")
-        return request_id, int(reply["pid"])
-
-    def _run(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None,
-             output_limit: int, timeout: float | None,
-             stdout_sink: Callable[[bytes], None] | None = None) -> GuestExecResult:
-        """Run one guest child with pipes for 0/1/2 and wait for its exit (the caller holds the lock).
-
-        ``stdin`` as a file with a descriptor (a pipe) goes to the child as is: no copy through
-        this process.
-        """
-        if isinstance(stdin, (bytes, bytearray)) or stdin is None:
-            in_r, in_w = os.pipe()
-            own_in_r = True
-        else:
-            in_r, in_w, own_in_r = stdin.fileno(), -1, False
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        ours = [fd for fd in (in_r if own_in_r else -1, out_w, err_w) if fd >= 0]
-        try:
-            request_id, pid = self._start(message, (in_r, out_w, err_w))
-        except BaseException:
-            for fd in (*ours, in_w, out_r, err_r):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        for fd in ours:
-            os.close(fd)
-        stdout = BoundedBuffer(output_limit)
-        stderr = BoundedBuffer(output_limit)
-        pending = memoryview(bytes(stdin or b"")) if isinstance(stdin, (bytes, bytearray)) else memoryview(b"")
-        if in_w >= 0:
-            os.set_blocking(in_w, False)
-            if not pending:
-                os.close(in_w)
-                in_w = -1
-        for fd in (out_r, err_r):
-            os.set_blocking(fd, False)
-        sinks: dict[int, Callable[[bytes], None]] = {
-            out_r: stdout_sink or stdout.add, err_r: stderr.add}
-        exit_code: int | None = None
-        timed_out = False
-        deadline = time.monotonic() + timeout if timeout else None
-        poller = select.poll()
-        poller.register(self._ctl, select.POLLIN)
-        for fd in sinks:
-            poller.register(fd, select.POLLIN)
-        if in_w >= 0:
-            poller.register(in_w, select.POLLOUT)
-        try:
-            while exit_code is None:
-                wait_ms = None
-                if deadline is not None and not timed_out:
-                    wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-                events = poller.poll(wait_ms)
-                if not events and deadline is not None and not timed_out and time.monotonic() >= deadline:
-                    timed_out = True
-                    _send(self._ctl, {"op": "kill", "pid": pid})
-                    continue
-                for fd, _events in events:
-                    if fd == self._ctl.fileno():
-                        reply, _ = _recv(self._ctl)
-                        if reply is None:
-                            raise GuestError(f"guest {self.name} is gone (its init exited)")
-                        if reply.get("id") == request_id and "exit" in reply:
-                            exit_code = int(reply["exit"])
-                    elif fd == in_w:
-                        try:
-                            written = os.write(in_w, pending[:65536])
-                            pending = pending[written:]
-                        except BlockingIOError:
-                            pass
-                        except BrokenPipeError:  # the command does not read its stdin: fine
-                            pending = memoryview(b"")
-                        if not pending:
-                            poller.unregister(in_w)
-                            os.close(in_w)
-                            in_w = -1
-                    elif fd in sinks:
-                        self._drain(fd, sinks, poller)
-            # The command is done: take what it already wrote, but never wait for a
-            # background process that inherited its stdout.
-            for fd in list(sinks):
-                self._drain(fd, sinks, poller, final=True)
-        finally:
-            for fd in (in_w, out_r, err_r):
-                if fd >= 0:
-                    os.close(fd)
-        return GuestExecResult(124 if timed_out else exit_code, stdout.value(), stderr.value(), timed_out)
-
-    @staticmethod
-    def _drain(fd: int, sinks: dict[int, Callable[[bytes], None]], poller: select.poll,
-               final: bool = False) -> bool:
-        while True:
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return True
-            if not data:
-                poller.unregister(fd)
-                del sinks[fd]
-                return False
-            sinks[fd](data)
-            if not final:
-                return True
 
     # ---------------------------------------------------------------- the Guest protocol
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
-             stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
-        message = {"op": "exec", "argv": list(argv), "env": {**self._env, **env},
-                   "cwd": workdir or self._workdir}
-        with self._lock:
-            return self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout)
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        full_env = {**self._env, **env}
+        message: dict[str, Any] = {"op": "exec", "argv": list(argv), "env": full_env,
+                                   "cwd": workdir or self.workdir}
+        user = user if user is not None else self.default_user
+        if user is not None:
+            message["user"] = str(user)
+            message["explicit"] = sorted({*self._spec_env_keys, *env})  # HOME etc. the caller set
+        size = argv_size(argv, full_env)
+        if size > ARG_HARD_LIMIT:
+            raise too_big(size, min(os.sysconf("SC_ARG_MAX"), ARG_HARD_LIMIT), argv[0])
+        out = run(self._channel, message, name=self.name, stdin=stdin, output_limit=output_limit,
+                  timeout=timeout, on_output=on_output, cancel=cancel)
+        if out.error is not None:
+            if out.error.get("errno") == errno.E2BIG:
+                arg_max = out.error.get("arg_max")
+                raise too_big(size, arg_max if isinstance(arg_max, int) else os.sysconf("SC_ARG_MAX"), argv[0])
+            raise_error(out.error, self.name, "exec")
+        return GuestExecResult(out.exit_code, out.stdout, out.stderr, out.timed_out, out.truncated, out.cancelled)
 
-    def _file_op(self, message: dict[str, Any], *, stdin: bytes | IO[bytes] | None = None,
-                 stdout_sink: Callable[[bytes], None] | None = None) -> None:
-        with self._lock:
-            result = self._run(message, stdin=stdin, output_limit=1 << 16, timeout=None,
-                               stdout_sink=stdout_sink)
-        if result.exit_code != 0:
+    def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
+                 stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None) -> None:
+        user = user if user is not None else self.default_user
+        if user is not None:
+            message["user"] = str(user)
+        result = run(self._channel, message, name=self.name, stdin=stdin, output_limit=1 << 16,
+                     timeout=None, stdout_sink=stdout_sink, cancel=cancel)
+        if result.error is not None:
+            raise_error(result.error, self.name, f"{message['op']} {message['path']}")
+        if result.exit_code != 0 and not result.cancelled:
             detail = result.stderr.decode(errors="replace").strip().splitlines()
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
                              f"{detail[-1] if detail else f'exit {result.exit_code}'}")
 
-    def write_file(self, path: str, data: bytes, mode: int | None) -> None:
-        self._file_op({"op": "write", "path": path, "mode": mode}, stdin=data)
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
+        self._file_op({"op": "write", "path": path, "mode": mode}, user=user, stdin=data)
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
         chunks: list[bytes] = []
-        self._file_op({"op": "read", "path": path}, stdout_sink=chunks.append)
+        size = 0
+        over = Cancel()
+
+        def keep(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if max_bytes is not None and size > max_bytes:
+                over.cancel()  # kills the guest reader; nothing more is kept
+            else:
+                chunks.append(data)
+
+        # "limit": the guest side refuses early too where it knows how (hardened file ops).
+        self._file_op({"op": "read", "path": path, "limit": max_bytes}, user=user, stdout_sink=keep, cancel=over)
+        if over.cancelled:
+            raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes} "
+                                       "(pass a larger max_bytes, or use copy_out)", path)
         return b"".join(chunks)
 
-    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None]) -> None:
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         read_fd, write_fd = os.pipe()
         errors: list[BaseException] = []
 
@@ -270,20 +190,22 @@ class NamespaceGuest:
         producer.start()
         try:
             with os.fdopen(read_fd, "rb") as source:
-                self._file_op({"op": "put_archive", "path": guest_dir}, stdin=source)
+                self._file_op({"op": "put_archive", "path": guest_dir}, user=user, stdin=source)
         finally:
             producer.join()
         if errors:
             raise errors[0]
 
-    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
-        self._stream_out({"op": "get_archive", "path": guest_path, "arcname": arcname}, consume)
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        self._stream_out({"op": "get_archive", "path": guest_path, "arcname": arcname}, consume, user=user)
 
     def export_root(self, consume: Callable[[IO[bytes]], None]) -> None:
         """Stream the guest's root filesystem (mounts excluded) as a tar to ``consume``."""
         self._stream_out({"op": "export_root", "path": "/"}, consume)
 
-    def _stream_out(self, message: dict[str, Any], consume: Callable[[IO[bytes]], None]) -> None:
+    def _stream_out(self, message: dict[str, Any], consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
         """Run a file op whose stdout is a stream, and hand that stream to ``consume`` in a thread."""
         read_fd, write_fd = os.pipe()
         errors: list[BaseException] = []
@@ -305,7 +227,7 @@ class NamespaceGuest:
             out.write(data)
 
         try:
-            self._file_op(message, stdout_sink=forward)
+            self._file_op(message, user=user, stdout_sink=forward)
         finally:
             out.close()
             consumer.join()
@@ -316,10 +238,15 @@ class NamespaceGuest:
         return ""  # a namespace guest has no console; its history is the exec transcript
 
     def keep(self) -> None:
-        with self._lock:
-            self._next_id += 1
-            _send(self._ctl, {"op": "keep", "id": self._next_id})
-            _recv(self._ctl)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours:
+            try:
+                self._channel.send({"op": "keep"}, [theirs.fileno()])
+            finally:
+                theirs.close()
+            ours.settimeout(DESTROY_TIMEOUT)
+            if not ours.recv(4096):
+                raise GuestError(f"guest {self.name} is gone (its init exited)")
 
     def registry_data(self) -> dict[str, Any]:
         return {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
@@ -328,7 +255,7 @@ class NamespaceGuest:
     def destroy(self) -> None:
         if self._destroyed:
             return
-        self._ctl.close()
+        self._channel.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         self._destroyed = True
 
@@ -382,12 +309,13 @@ class NamespaceBackend:
 
     @classmethod
     def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
-        if baseline.kind in ("registry", "smolmachine"):
-            what = ("no such file or directory, and a registry reference" if baseline.kind == "registry"
-                    else "a .smolmachine")
-            raise UsageError(f"{option}={baseline.reference}: {what} needs the smol backend; the "
+        if baseline.kind == "smolmachine":
+            raise UsageError(f"{option}={baseline.reference}: a .smolmachine needs the smol backend; the "
                              "namespace backend takes a rootfs dir, a rootfs tarball (.tar, .tar.gz, "
-                             ".tar.zst) or a docker-save/OCI archive")
+                             ".tar.zst), a docker-save/OCI archive or a registry image")
+        if baseline.kind == "registry" and baseline.path is None:
+            raise UsageError(f"{option}={baseline.reference}: a registry image must be pinned and pulled "
+                             "first (pytest_smolvm.oci.resolve_image)")
 
     def prepare_run(self, baseline: Baseline) -> dict[str, str]:
         self.rootfs(baseline)  # unpacked once per host, here rather than inside the first test
@@ -398,7 +326,7 @@ class NamespaceBackend:
 
     def rootfs(self, baseline: Baseline) -> Rootfs:
         if baseline.digest not in self._rootfs:
-            self._rootfs[baseline.digest] = unpack(baseline)
+            self._rootfs[baseline.digest] = unpack(baseline, by=self.options.labels.get("worker", "main"))
         return self._rootfs[baseline.digest]
 
     def _helper(self) -> Zygote:
@@ -446,7 +374,7 @@ class NamespaceBackend:
                 assert isinstance(guest, NamespaceGuest)
                 guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
 
-        warm = prepare_derived(key, baseline, rootfs, capture)
+        warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")
         self._rootfs[derived.digest] = warm
         return derived
