@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import itertools
 import os
 import shutil
@@ -24,10 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.backends import VMSpec
+from pytest_smolvm.backends import Cancel, OutputCallback, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
 from pytest_smolvm.baseline import Baseline, apply_layer, force_rmtree
-from pytest_smolvm.errors import GuestError, ProvisionError, SmolVMError
+from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError, SmolVMError
 from tests.smolcloud import wire
 from tests.smolcloud.faults import Faults
 
@@ -100,6 +101,14 @@ class Machine:
 
     def expired(self, now: float, scale: float) -> bool:
         return self.ttl_seconds is not None and now >= self.created_at + self.ttl_seconds * scale
+
+
+def file_error(path: str, exc: BaseException) -> wire.ApiError:
+    """A guest's refusal of a file operation: 404 when the path is not there, else a 400."""
+    if isinstance(exc, FileNotFoundError) or (isinstance(exc, GuestError) and "No such file" in str(exc)):
+        return wire.not_found(f"file {path}")
+    name = errno.errorcode.get(exc.errno or 0, "EIO") if isinstance(exc, OSError) else "EIO"
+    return wire.ApiError(413 if name == "EFBIG" else 400, f"file_{name.lower()}", f"{path}: {exc}")
 
 
 def iso(ts: float) -> str:
@@ -261,20 +270,28 @@ class Store:
         machine.last_activity = time.monotonic()
         return guest
 
-    def exec(self, machine: Machine, request: wire.ExecRequest) -> tuple[int, bytes, bytes, bool]:
+    def exec(self, machine: Machine, request: wire.ExecRequest, on_output: OutputCallback | None = None,
+             cancel: Cancel | None = None) -> tuple[int, bytes, bytes, bool]:
         self.faults.check("exec")
         guest = self.running(machine, "exec")
         argv = request.argv
-        if request.user is not None:
-            # BusyBox su: options first, then "--", the user, ARG0 ARGS for -c
-            argv = ["su", "-p", "-s", "/bin/sh", "-c", 'exec "$0" "$@"', "--", request.user, *argv]
         if request.background:
             argv = ["/bin/sh", "-c", BACKGROUND, "sh", *argv]
         machine.generation += 1
         try:
             with machine.using():
                 result = guest.exec(argv, env=request.env, workdir=request.cwd, stdin=request.stdin,
-                                    timeout=request.timeout, output_limit=OUTPUT_CAP)
+                                    timeout=request.timeout, output_limit=OUTPUT_CAP, user=request.user,
+                                    on_output=on_output, cancel=cancel)
+        except GuestUserError as exc:
+            raise wire.ApiError(400, "unknown_user", f"exec in {machine.id}: {exc}") from exc
+        except OSError as exc:
+            if request.cwd and exc.filename == request.cwd:
+                raise wire.ApiError(400, "bad_workdir", f"exec in {machine.id}: cannot enter {request.cwd}: "
+                                    f"{exc.strerror}") from exc
+            # A program that cannot start: what a shell (and so, presumably, the agent) reports.
+            code = 127 if isinstance(exc, FileNotFoundError) else 126
+            return code, b"", f"{argv[0]}: {exc.strerror or exc}\n".encode(), True
         except GuestError as exc:
             if machine.state != "started":
                 raise wire.interrupted(f"exec in {machine.id} was interrupted: the machine is "
@@ -289,9 +306,9 @@ class Store:
         guest = self.running(machine, "read file")
         try:
             with machine.using():
-                data = guest.read_file(path)
-        except GuestError as exc:
-            raise wire.not_found(f"file {path} ({exc})") from exc
+                data = guest.read_file(path, max_bytes=wire.MAX_FILE_BYTES)
+        except (GuestError, OSError) as exc:
+            raise file_error(path, exc) from exc
         if len(data) > wire.MAX_FILE_BYTES:
             raise wire.ApiError(413, "file_too_large", f"{path} is larger than the 100 MiB file limit")
         return data
@@ -311,8 +328,8 @@ class Store:
                 if check.exit_code != 0:
                     raise wire.not_found(f"directory {parent} (or {path} is a directory)")
                 guest.write_file(path, data, None)
-        except GuestError as exc:
-            raise wire.ApiError(500, "write_failed", f"write {path}: {exc}") from exc
+        except (GuestError, OSError) as exc:
+            raise file_error(path, exc) from exc
 
     # ------------------------------------------------------------------ branches
 

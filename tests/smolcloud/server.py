@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import select
+import socket
 import threading
 import uuid
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from pytest_smolvm.backends import Cancel
 from tests.smolcloud import wire
 from tests.smolcloud.machines import Machine, Store, iso
 
@@ -201,24 +204,16 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, wire.exec_response(exit_code, stdout, stderr, mode, request.user, complete))
 
     def exec_stream(self, args: dict[str, str]) -> None:
-        """Server-sent events as ``CloudTransport._sse_events`` parses them (transport.py:1317-1366).
-
-        The output is sent when the command ends (a namespace guest's exec is not incremental);
-        the event framing is what the SDK reads.
-        """
+        """Server-sent events as ``CloudTransport._sse_events`` parses them (transport.py:1317-1366),
+        sent as the output arrives. A client that goes away (``ExecStream.kill`` shuts its socket
+        down) cancels the command, which the namespace guest then kills."""
         machine = self._machine(args)
         if "text/event-stream" not in (self.headers.get("accept") or ""):
             raise wire.bad_request("exec/stream: accept must be text/event-stream")
         request = wire.parse_exec(self._body())
         if request.background:
             raise wire.bad_request("exec/stream: a background command has no stream")
-        exit_code, stdout, stderr, _complete = self.server.store.exec(machine, request)
-        events = []
-        for kind, data in (("stdout", stdout), ("stderr", stderr)):
-            if data:
-                text = data.decode("utf-8", "replace")
-                events.append(f"event: {kind}\n" + "".join(f"data: {line}\n" for line in text.split("\n")) + "\n")
-        events.append(f"event: exit\ndata: {json.dumps({'exitCode': exit_code})}\n\n")
+        self.server.store.running(machine, "exec")  # refused before the stream starts, as a status
         self.close_connection = True
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -226,9 +221,33 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("connection", "close")
         self.send_header("x-request-id", self.request_id)
         self.end_headers()
-        for event in events:
-            self.wfile.write(event.encode())
-            self.wfile.flush()
+        self.wfile.flush()
+        cancel = Cancel()
+        write_lock = threading.Lock()
+
+        def send(event: str) -> None:
+            with write_lock:
+                try:
+                    self.wfile.write(event.encode())
+                    self.wfile.flush()
+                except OSError:
+                    cancel.cancel()
+
+        def on_output(stream: str, chunk: bytes) -> None:
+            text = chunk.decode("utf-8", "replace")
+            send(f"event: {stream}\n" + "".join(f"data: {line}\n" for line in text.split("\n")) + "\n")
+
+        done = threading.Event()
+        watcher = threading.Thread(target=_watch_disconnect, args=(self.connection, cancel, done), daemon=True)
+        watcher.start()
+        try:
+            exit_code, _out, _err, _complete = self.server.store.exec(machine, request, on_output, cancel)
+        except wire.ApiError as exc:
+            send(f"event: error\ndata: {exc.message}\n\n")
+            return
+        finally:
+            done.set()
+        send(f"event: exit\ndata: {json.dumps({'exitCode': exit_code})}\n\n")
 
     # ------------------------------------------------------------------ files
 
@@ -320,6 +339,19 @@ ROUTES: list[Route] = [
     _route("GET", r"/_smolcloud/faults", Handler.admin_faults),
     _route("GET", r"/_smolcloud/history", Handler.admin_history),
 ]
+
+
+def _watch_disconnect(connection: socket.socket, cancel: Cancel, done: threading.Event) -> None:
+    """Cancel the command once the client's end of a stream is closed (it sends nothing more)."""
+    while not done.is_set():
+        try:
+            readable, _, _ = select.select([connection], [], [], 0.2)
+            if readable and not connection.recv(1, socket.MSG_PEEK):
+                cancel.cancel()
+                return
+        except (OSError, ValueError):
+            cancel.cancel()
+            return
 
 
 def reaper(store: Store, stop: threading.Event, interval: float) -> None:
