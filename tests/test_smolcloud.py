@@ -156,10 +156,19 @@ def test_exec_output_modes_stdin_timeout_and_user_echo(cloud: LoopbackCloud) -> 
 def test_exec_stream_is_server_sent_events(cloud: LoopbackCloud) -> None:
     machine = make(cloud)
     try:
-        with machine.exec_stream(["/bin/sh", "-c", "echo a; echo b; echo c >&2; exit 5"]) as stream:
+        with machine.exec_stream(["/bin/sh", "-c", "echo a; sleep 0.5; echo b; echo c >&2; exit 5"]) as stream:
             events = list(stream)
-        assert events == [{"kind": "stdout", "data": "a\nb\n"}, {"kind": "stderr", "data": "c\n"},
-                          {"kind": "exit", "exit_code": 5}]
+        assert events[-1] == {"kind": "exit", "exit_code": 5}
+        for kind, text in (("stdout", "a\nb\n"), ("stderr", "c\n")):
+            assert "".join(e["data"] for e in events if e["kind"] == kind) == text
+        assert events[0] == {"kind": "stdout", "data": "a\n"}  # sent as it came, before b
+        started = time.monotonic()
+        with machine.exec_stream(["/bin/sh", "-c", "echo $$ > /tmp/streamed; exec sleep 60"]) as stream:
+            pass  # leaving the block kills the stream: the server kills the command
+        pid = machine.read_file("/tmp/streamed").decode().strip()
+        while machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code == 0 and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        assert machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code != 0
     finally:
         machine.delete()
 

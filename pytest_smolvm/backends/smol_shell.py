@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from smol import Machine
 
 # Runs the line in the last directory, then reports the directory it ended in on stderr.
-_LINE = 'cd "$1" 2>/dev/null; eval "$2"; rc=$?; printf "\\n%s%s\\n" "$3" "$PWD" >&2; exit $rc'
+_LINE = 'cd "$1" 2>/dev/null; eval "$2"; rc=$?; printf "%s%s\\n" "$3" "$PWD" >&2; exit $rc'
 
 
 def connect(data: Mapping[str, Any]) -> Machine:
@@ -26,9 +26,41 @@ def connect(data: Mapping[str, Any]) -> Machine:
     return Machine.connect(ident, ConnectOptions(target="cloud" if target == "cloud" else "local"))
 
 
+class _Stderr:
+    """The command's stderr, line by line (events split anywhere), with the cwd report taken out."""
+
+    def __init__(self, err: IO[str], marker: str) -> None:
+        self.err, self.marker, self.pending, self.cwd = err, marker, "", ""
+
+    def feed(self, data: str) -> None:
+        if not self.marker:
+            self.err.write(data)
+        else:
+            *lines, self.pending = (self.pending + data).split("\n")
+            for line in lines:
+                self._line(line)
+        self.err.flush()
+
+    def _line(self, line: str) -> None:
+        before, found, after = line.partition(self.marker)
+        if found:
+            self.cwd = after
+            line = before  # what the command left unterminated
+            if not line:
+                return
+        self.err.write(line + "\n")
+
+    def close(self) -> None:
+        if self.pending:
+            self._line(self.pending)
+            self.pending = ""
+        self.err.flush()
+
+
 def run(machine: Machine, argv: list[str], out: IO[str], err: IO[str], marker: str = "") -> tuple[int, str]:
     """Stream one command's output; returns (exit code, the cwd it reported after ``marker``)."""
-    exit_code, cwd = 1, ""
+    exit_code = 1
+    errors = _Stderr(err, marker)
     with machine.exec_stream(argv) as stream:
         for event in stream:
             kind = event.get("kind")
@@ -36,17 +68,13 @@ def run(machine: Machine, argv: list[str], out: IO[str], err: IO[str], marker: s
                 out.write(event["data"])
                 out.flush()
             elif kind == "stderr":
-                data = str(event["data"])
-                if marker and marker in data:
-                    data, _, rest = data.partition("\n" + marker)
-                    cwd = rest.split("\n", 1)[0]
-                err.write(data)
-                err.flush()
+                errors.feed(str(event["data"]))
             elif kind == "exit":
                 exit_code = int(event["exit_code"])
             elif kind == "error":
                 err.write(f"pytest-smolvm shell: {event.get('message')}\n")
-    return exit_code, cwd
+    errors.close()
+    return exit_code, errors.cwd
 
 
 def shell(data: Mapping[str, Any], command: Sequence[str], *, stdin: IO[str] = sys.stdin,
