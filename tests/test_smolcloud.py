@@ -163,9 +163,9 @@ def test_exec_stream_is_server_sent_events(cloud: LoopbackCloud) -> None:
             assert "".join(e["data"] for e in events if e["kind"] == kind) == text
         assert events[0] == {"kind": "stdout", "data": "a\n"}  # sent as it came, before b
         started = time.monotonic()
-        with machine.exec_stream(["/bin/sh", "-c", "echo $$ > /tmp/streamed; exec sleep 60"]) as stream:
-            pass  # leaving the block kills the stream: the server kills the command
-        pid = machine.read_file("/tmp/streamed").decode().strip()
+        with machine.exec_stream(["/bin/sh", "-c", "echo $$; exec sleep 60"]) as stream:
+            pid = next(iter(stream))["data"].strip()  # it runs; leaving the block kills the stream,
+        # and the server, seeing its client gone, kills the command
         while machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code == 0 and time.monotonic() - started < 10:
             time.sleep(0.1)
         assert machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code != 0
