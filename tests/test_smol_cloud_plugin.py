@@ -298,5 +298,6 @@ def test_warm_baseline_hook_runs_once_per_host_under_n2(pytester: pytest.Pyteste
     creates = [h for h in history if h["op"] == "create"]
     branched_from = {h["source"] for h in history if h["op"] == "branch"}
     assert len(branched_from) == 1 and branched_from <= {h["id"] for h in creates}  # one warm source
+    assert len(creates) == 1, creates  # and no idle cold one beside it
     assert len({h["request"]["labels"]["owner_pid"] for h in creates}) == 1  # made by the controller
     assert cloud.wait_for_no_machines(token=token) == []

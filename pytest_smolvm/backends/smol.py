@@ -128,9 +128,11 @@ class SmolBackend:
                 f"{_smol_version()})"]
 
     def prepare_run(self, baseline: Baseline) -> dict[str, str]:
-        """Boot the default source here, in the process that outlives the workers that branch it."""
-        self.source_guest(VMSpec(name="", baseline=baseline))
-        return self.source_names()
+        """Nothing to boot yet: each source is made on the first request for its spec (here, or
+        on a worker's behalf through share_source), so a run that only uses a warm baseline does
+        not keep an idle, billed cold source for its whole session."""
+        self.check_baseline(baseline)
+        return {}
 
     def share_source(self, spec: VMSpec) -> str:
         """A source a worker asked for: made and owned here, deleted at close after its children."""
