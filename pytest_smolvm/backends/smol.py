@@ -201,16 +201,6 @@ class SmolBackend:
     def _cpus(self, spec: VMSpec) -> int:
         return max(1, math.ceil(spec.cpus or self.default_cpus))  # the engine takes whole vCPUs
 
-    def source_guest(self, spec: VMSpec) -> SmolGuest:
-        """The source for ``spec``, made if needed, as a guest to run baseline setup in.
-
-        Its ``destroy()`` does nothing: sources die in :meth:`close`, after their children.
-        Anything started in it must have finished before the first branch is taken.
-        """
-        source = self._source_for(spec)
-        return SmolGuest(self._source_machine(source), name=source.name, target=self.target,
-                         source=None, env=spec.env, owned=False)
-
     @classmethod
     def reap_unrecorded(cls) -> list[str]:
         """Machines labelled by us whose owner is gone (see ``smol_reap.reap_unrecorded``)."""
