@@ -28,6 +28,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from pytest_smolvm import hostfs
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.paths import cache_dir
 
@@ -35,6 +36,8 @@ Kind = Literal["bundled", "rootfs-dir", "rootfs-tar", "image-archive", "smolmach
 BUNDLED_ROOTFS = "agent-rootfs.tar.zst"
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.zstd")
 CHUNK = 1 << 20
+# A layer is a whole root filesystem: caps far above any image this project runs, still finite.
+LAYER_CAPS = hostfs.Caps(max_bytes=64 << 30, max_members=10_000_000, timeout=3600.0)
 
 
 @dataclass(frozen=True)
@@ -404,66 +407,17 @@ def _blob(digest: str) -> str:
     return f"blobs/{algorithm}/{hexdigest}"
 
 
-WHITEOUT = ".wh."
-OPAQUE = ".wh..wh..opq"
+def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str = "--smol-baseline",
+                caps: hostfs.Caps | None = None) -> None:
+    """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``.
 
-
-def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool) -> None:
-    """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``."""
-    root = os.path.realpath(dest)
-    this_layer: set[str] = set()
-    directories: list[tuple[str, int]] = []
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for member in tar:
-            name = os.path.normpath(member.name.lstrip("/"))
-            if name in (".", "") or member.isdev():
-                continue  # the guest gets its own /dev
-            if name.startswith("../") or name == "..":
-                raise UsageError(f"--smol-baseline: archive member {member.name!r} points outside the rootfs")
-            parent = os.path.realpath(os.path.join(root, os.path.dirname(name)))
-            if parent != root and not parent.startswith(root + os.sep):
-                raise UsageError(f"--smol-baseline: archive member {member.name!r} would be written "
-                                 "through a link to outside the rootfs")
-            base = os.path.basename(name)
-            target = os.path.join(parent, base)
-            if base == OPAQUE:
-                _clear_dir(parent, keep=this_layer)
-                continue
-            if base.startswith(WHITEOUT):
-                _remove(os.path.join(parent, base[len(WHITEOUT):]))
-                continue
-            if member.islnk():
-                link = os.path.normpath(member.linkname.lstrip("/"))
-                if link.startswith(".."):
-                    raise UsageError(f"--smol-baseline: hard link {member.name!r} points outside the rootfs")
-                member = member.replace(linkname=link, deep=False)
-            if os.path.lexists(target) and not (member.isdir() and os.path.isdir(target)
-                                                and not os.path.islink(target)):
-                _remove(target)
-            changes: dict[str, Any] = {"name": name}
-            if squash_owner:
-                changes.update(uid=0, gid=0, uname="root", gname="root")
-            if member.isdir():
-                directories.append((target, member.mode))
-                changes["mode"] = member.mode | 0o700
-            tar.extract(member.replace(**changes, deep=False), root, numeric_owner=True,
-                        filter="fully_trusted")
-            this_layer.add(target)
-    for path, mode in reversed(directories):
-        os.chmod(path, mode)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        force_rmtree(Path(path))
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
-def _clear_dir(path: str, keep: set[str]) -> None:
-    if not os.path.isdir(path):
-        return
-    for entry in os.listdir(path):
-        full = os.path.join(path, entry)
-        if full not in keep:
-            _remove(full)
+    The layer may come from a guest (a warm baseline's export): it is unpacked by
+    :mod:`pytest_smolvm.hostfs`'s rules, which trust nothing in it. Devices and FIFOs are
+    skipped (a guest gets its own /dev). Errors are UsageErrors naming ``what``.
+    """
+    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner)
+    try:
+        hostfs.extract(stream, dest, policy, caps or LAYER_CAPS)
+    except hostfs.UnsafeArchive as exc:
+        message = str(exc)
+        raise UsageError(message if message.startswith(what) else f"{what}: {message}") from exc

@@ -9,7 +9,15 @@ import time
 from dataclasses import dataclass, field
 
 DEFAULT_PIDS_MAX = 4096  # a guest's fork bomb stops here instead of at the host's limit
+# A guest's memory (its tmpfs files included: the default 2 GiB disk fits with room to spare)
+# when the marker names none; it bounds one guest, it reserves nothing.
+DEFAULT_MEMORY_MB = 4096
 CPU_PERIOD_US = 100_000
+
+
+def default_cpus() -> float:
+    """CPUs a guest may use when the marker names none: all but one of the host's, at least one."""
+    return float(max(1, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,16 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
-def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None) -> list[str]:
-    """Make the guest's cgroup(s) with its limits; returns the dirs to join and later remove."""
+def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None,
+           defaults: bool = True) -> list[str]:
+    """Make the guest's cgroup(s) with its limits; returns the dirs to join and later remove.
+
+    With ``defaults`` a limit the marker left unset gets its default; without, only what the
+    marker asked for (and the pids limit, which keeps a fork bomb off the host) applies.
+    """
+    if defaults:
+        cpus = cpus or default_cpus()
+        memory_mb = memory_mb or DEFAULT_MEMORY_MB
     made: list[str] = []
     dirs = sorted(set(limits.parents.values())) if limits.version == "v2" else None
     try:
@@ -134,3 +150,18 @@ def remove(path: str, timeout: float = 2.0) -> None:
             if exc.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise
             time.sleep(0.005)
+
+
+def oom_kills(cgroup_dirs: list[str]) -> int:
+    """How many processes the kernel killed for memory in this guest's cgroup so far (0 if unknown)."""
+    for path in cgroup_dirs:
+        for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):
+            try:
+                with open(os.path.join(path, name)) as f:
+                    for line in f:
+                        field_name, _, value = line.partition(" ")
+                        if field_name == key:
+                            return int(value)
+            except (OSError, ValueError):
+                continue
+    return 0

@@ -201,7 +201,7 @@ class GuestPool:
         try:
             guest = backend.create(VMSpec(
                 name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
-                network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env),
+                network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
                 labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker,
                         "owner_pid": str(os.getpid())}))
         except UsageError:

@@ -19,9 +19,13 @@ BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
-MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit",
+                   "relax")
 DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
 SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+# Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
+# "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
+RELAX_CHOICES = ("seccomp", "limits")
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
@@ -212,6 +216,7 @@ class MarkerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     user: str | int | None = None  # None: --smol-user, else root
     output_limit: int | None = None  # None: --smol-output-limit, else 16 MiB
+    relax: tuple[str, ...] = ()
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
         """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
@@ -248,6 +253,14 @@ class MarkerSpec:
                 if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
                     raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
                 changes[key] = tuple(value)
+            elif key == "relax":
+                if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                    raise UsageError(f"{where}(relax={value!r}): expected a list of {', '.join(RELAX_CHOICES)}")
+                unknown_parts = sorted(set(value) - set(RELAX_CHOICES))
+                if unknown_parts:
+                    raise UsageError(f"{where}(relax=...): unknown part {unknown_parts[0]!r} "
+                                     f"(choose from {', '.join(RELAX_CHOICES)})")
+                changes[key] = tuple(value)
             elif key == "env":
                 if not isinstance(value, Mapping) or not all(
                         isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -268,6 +281,6 @@ def marker_spec(item: pytest.Item) -> MarkerSpec:
 
 MARKERS = (
     "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
-    "user=None, output_limit=None): "
-    "guest settings for this test's smol_vm (pytest-smolvm)",
+    "user=None, output_limit=None, relax=[]): guest settings for this test's smol_vm; relax turns off "
+    "parts of a namespace guest's confinement: seccomp, limits (pytest-smolvm)",
 )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
+from pytest_smolvm import hostfs
 from pytest_smolvm.errors import ExecError, GuestError
 from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT
 
@@ -219,13 +220,20 @@ class VM:
 
         self._guest.put_archive(target_dir, produce, user=self._user())
 
-    def copy_out(self, src: str, dest: str | os.PathLike[str]) -> Path:
+    def copy_out(self, src: str, dest: str | os.PathLike[str], *, max_bytes: int | None = None,
+                 timeout: float | None = None) -> Path:
         """Copy a guest file or tree to ``dest`` on the host; returns ``dest``.
 
-        The guest controls what arrives: absolute paths, ``..``, device files and links that
-        point outside ``dest`` are refused, and nothing is written outside ``dest``.
+        The guest controls what arrives, so it is unpacked by :mod:`pytest_smolvm.hostfs`'s
+        rules: nothing is written outside ``dest``, no guest-made link is followed, links that
+        point outside the copied tree, devices and FIFOs are refused, and at most ``max_bytes``
+        (default 4 GiB) arrive within ``timeout`` seconds (default 900).
         """
         src = self._guest_path(src, "copy_out")
+        defaults = hostfs.Caps()
+        caps = hostfs.Caps(
+            max_bytes=defaults.max_bytes if max_bytes is None else int(_positive_limit(max_bytes, "copy_out")),
+            timeout=defaults.timeout if timeout is None else _positive_limit(timeout, "copy_out", "timeout"))
         target = Path(dest)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink():
@@ -233,17 +241,7 @@ class VM:
         staging = Path(tempfile.mkdtemp(prefix=".smolvm-copy-", dir=target.parent))
         try:
             def consume(stream: IO[bytes]) -> None:
-                with tarfile.open(fileobj=stream, mode="r|") as tar:
-                    for member in tar:
-                        if member.name != PAYLOAD and not member.name.startswith(PAYLOAD + "/"):
-                            raise GuestError(f"copy_out: guest archive has an unexpected member {member.name!r}")
-                        if (member.issym() or member.islnk()) and not _link_stays_inside(member, staging):
-                            raise GuestError(f"copy_out: refused {member.name!r} from the guest: "
-                                             f"its link {member.linkname!r} leaves {src}")
-                        try:
-                            tar.extract(member, staging, filter=_data_keeping_dir_modes)
-                        except tarfile.FilterError as exc:
-                            raise GuestError(f"copy_out: refused {member.name!r} from the guest: {exc}") from exc
+                hostfs.extract(stream, staging, hostfs.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
 
             self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
             payload = staging / PAYLOAD
@@ -315,29 +313,14 @@ def _tar_with_gnu_tar(source: Path, out: IO[bytes]) -> bool:
     return True
 
 
-def _data_keeping_dir_modes(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
-    """tarfile's "data" filter, except that a directory keeps its permission bits.
-
-    "data" resets directory modes; the guest's 0750 tree should come back 0750. Only the
-    permission bits are kept: setuid/setgid/sticky stay stripped.
-    """
-    filtered = tarfile.data_filter(member, dest)
-    if member.isdir() and member.mode is not None:
-        return filtered.replace(mode=member.mode & 0o777, deep=False)
-    return filtered
-
-
-def _link_stays_inside(member: tarfile.TarInfo, staging: Path) -> bool:
-    """A link must resolve inside the copied tree itself, not merely inside the staging dir."""
-    if os.path.isabs(member.linkname):
-        return False
-    start = staging / os.path.dirname(member.name) if member.issym() else staging
-    resolved = os.path.normpath(start / member.linkname)
-    root = str(staging / PAYLOAD)
-    return resolved == root or resolved.startswith(root + os.sep)
-
-
 def _owned_by_guest_root(member: tarfile.TarInfo) -> tarfile.TarInfo:
     # Host uids mean nothing in the guest (and are unmapped in a user namespace, where a
     # failed chown would also skip the chmod): copied-in files belong to the guest's root.
     return member.replace(uid=0, gid=0, uname="root", gname="root", deep=False)
+
+
+def _positive_limit(value: float, what: str, name: str = "max_bytes") -> float:
+    """A byte cap or a timeout as given, or a one-line ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}: {name} must be a positive number, got {value!r}")
+    return value

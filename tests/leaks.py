@@ -12,8 +12,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def guest_processes(state_dir: Path) -> list[str]:
-    """Helpers and guest inits started for ``state_dir`` (it is in their argv)."""
-    marker = str(state_dir).encode()
+    """Helpers and guest inits started for ``state_dir`` (its tag is in their argv: no host path is)."""
+    marker = state_tag(state_dir).encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

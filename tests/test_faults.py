@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_smolvm.cgroups import state_tag
+
 
 def wait_for(path: Path, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
@@ -228,7 +230,7 @@ def test_a_dead_helper_is_replaced_by_a_retry(pytester: pytest.Pytester, smol_st
                     argv = (entry / "cmdline").read_bytes().split(b"\\0")
                 except OSError:
                     continue
-                if any(a.endswith(b"_nsguest.py") for a in argv) and {str(smol_state)!r}.encode() in argv \\
+                if any(a.endswith(b"_nsguest.py") for a in argv) and {state_tag(smol_state)!r}.encode() in argv \\
                         and (entry / "ns/pid").resolve() == Path("/proc/self/ns/pid").resolve():
                     pids.append(int(entry.name))
             return pids

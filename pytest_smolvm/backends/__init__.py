@@ -42,6 +42,7 @@ class VMSpec:
     allow_hosts: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
+    relax: tuple[str, ...] = ()  # confinement parts turned off for this guest (settings.RELAX_CHOICES)
 
 
 def spec_to_json(spec: VMSpec) -> dict[str, Any]:

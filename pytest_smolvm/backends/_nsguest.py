@@ -1,9 +1,16 @@
 """The namespace backend's helper process: a zygote that forks guests, and the guest's init.
 
-This file runs as its own interpreter (``python -I -S _nsguest.py FD``), started once per
-pytest process. It imports only the standard library, and imports all of it *before* any
-guest exists: a guest's init pivots into the guest's root, after which nothing from the
-host's filesystem (``sys.path`` included) can be imported any more.
+This file runs as its own interpreter, started once per pytest process with an explicit,
+minimal environment and an argv that names no host path (its source comes on stdin: the
+guest can read its init's ``/proc/1/cmdline``). It imports only the standard library, and
+imports all of it *before* any guest exists: a guest's init pivots into the guest's root,
+after which nothing from the host's filesystem (``sys.path`` included) can be imported.
+
+What confines a guest (see docs/security.md): namespaces (mount, pid, net, uts, ipc, cgroup,
+and user when not root), a cgroup of its own, a seccomp filter the host compiled with
+libseccomp (sent as BPF in each create request), a reduced capability set, and helper
+processes (setup, init, per-request children) that are not dumpable, so the guest can neither
+ptrace them, read their memory or environment, nor take their fds with ``pidfd_getfd``.
 
 Why a zygote: forking the pytest process itself is unsafe (xdist workers run threads) and
 costs a copy of a large address space per guest, while starting a fresh interpreter per
@@ -30,6 +37,7 @@ import ctypes.util
 import errno
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -49,6 +57,7 @@ tarfile.pwd = None  # type: ignore[attr-defined]
 tarfile.grp = None  # type: ignore[attr-defined]
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -65,6 +74,9 @@ MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 CAP_LAST_CAP_FALLBACK = 40
@@ -100,6 +112,34 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
         ),
         f"mount {fstype or source} on {target}",
     )
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _load_seccomp(bpf: bytes) -> None:
+    """Install a filter libseccomp compiled on the host (raw BPF: 8-byte sock_filter entries).
+
+    Loaded while the init still has CAP_SYS_ADMIN in its user namespace, so no
+    PR_SET_NO_NEW_PRIVS is needed and setuid programs in the guest keep working.
+    """
+    if not bpf or len(bpf) % 8:
+        raise RuntimeError("seccomp: the filter from the host is not a BPF program")
+    program = ctypes.create_string_buffer(bpf, len(bpf))
+    fprog = _SockFprog(len(bpf) // 8, ctypes.addressof(program))
+    _check(_libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                       ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp filter")
+
+
+def _set_rlimits(req: dict[str, Any]) -> None:
+    """Where no cgroup could be had: bound processes and file size per guest with rlimits.
+
+    In a user namespace RLIMIT_NPROC counts the guest's own uid in its own namespace.
+    """
+    for name, value in (req.get("rlimits") or {}).items():
+        limit = int(value)
+        resource.setrlimit(getattr(resource, name), (limit, limit))
 
 
 def _unshare(flags: int) -> None:
@@ -148,11 +188,20 @@ def _mount_root(req: dict[str, Any]) -> str:
     upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
     for d in (upper, work, root):
         os.mkdir(d)
-    lower = ":".join(req["lower"])
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    if req["userns"]:
-        options += ",userxattr"
-    _mount("smolvm-root", root, "overlay", 0, options)
+    # The guest reads its root's mount options in /proc/self/mountinfo: name the layers by
+    # fd and relative to the scratch dir, never by their host paths.
+    lower_fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in req["lower"]]
+    os.chdir(scratch)
+    try:
+        lower = ":".join(f"/proc/self/fd/{fd}" for fd in lower_fds)
+        options = f"lowerdir={lower},upperdir=upper,workdir=work"
+        if req["userns"]:
+            options += ",userxattr"
+        _mount("smolvm-root", "root", "overlay", 0, options)
+    finally:
+        os.chdir("/")
+        for fd in lower_fds:
+            os.close(fd)
 
     dev = os.path.join(root, "dev")
     os.makedirs(dev, exist_ok=True)
@@ -188,8 +237,25 @@ def _enter_root(root: str, req: dict[str, Any]) -> None:
     """Runs as the guest's pid 1: its own /proc, hostname, loopback, then pivot into root."""
     proc = os.path.join(root, "proc")
     _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-    # Host-wide knobs stay readable but not writable from the guest.
-    for sub in ("sys", "sysrq-trigger", "irq", "bus"):
+    # Host-wide knobs stay readable but not writable from the guest; what tells about the host
+    # (its keys, kernel memory, timers) reads as empty: Docker's masked and read-only paths.
+    for sub in ("keys", "kcore", "timer_list", "sched_debug", "latency_stats", "timer_stats"):
+        path = os.path.join(proc, sub)
+        if os.path.exists(path):
+            try:
+                _mount("/dev/null", path, None, MS_BIND, None)
+            except OSError:
+                if not req["userns"]:
+                    raise
+    for sub in ("acpi", "scsi", "asound"):
+        path = os.path.join(proc, sub)
+        if os.path.isdir(path):
+            try:
+                _mount("smolvm-masked", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
+            except OSError:
+                if not req["userns"]:
+                    raise
+    for sub in ("sys", "sysrq-trigger", "irq", "bus", "fs"):
         path = os.path.join(proc, sub)
         if os.path.exists(path):
             try:
@@ -557,6 +623,22 @@ def _popen_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> subproce
     raise saved_exc or last_exc or FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), file)
 
 
+def _open_regular(path: str, flags: int) -> int:
+    """Open ``path`` in the guest, refusing anything but a regular file before any byte moves.
+
+    O_NONBLOCK: opening a FIFO the guest planted must not wait for a writer (or reader).
+    """
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket)", path)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _exec(message: dict[str, Any]) -> None:
     """Exec in a forked child (an exec as another user); errors go to the status socket."""
     env = message["env"]
@@ -578,19 +660,29 @@ def _op_write(message: dict[str, Any]) -> int:
     path = message["path"]
     parent = os.path.dirname(path) or "/"
     os.makedirs(parent, exist_ok=True)
-    with open(path, "wb") as f, os.fdopen(0, "rb", closefd=False) as src:
+    fd = _open_regular(path, os.O_WRONLY | os.O_CREAT)
+    os.ftruncate(fd, 0)
+    with open(fd, "wb") as f, os.fdopen(0, "rb", closefd=False) as src:
         shutil.copyfileobj(src, f, 1 << 20)
-    if message.get("mode") is not None:
-        os.chmod(path, message["mode"])
+        if message.get("mode") is not None:
+            os.fchmod(f.fileno(), message["mode"])
     return 0
 
 
 def _op_read(message: dict[str, Any]) -> int:
-    with open(message["path"], "rb") as f, os.fdopen(1, "wb", closefd=False) as dst:
-        if stat.S_ISDIR(os.fstat(f.fileno()).st_mode):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", message["path"])
-        shutil.copyfileobj(f, dst, 1 << 20)
-    return 0
+    limit = int(message.get("limit") or 0)
+    with open(_open_regular(message["path"], os.O_RDONLY), "rb") as f, \
+            os.fdopen(1, "wb", closefd=False) as dst:
+        sent = 0
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return 0
+            sent += len(chunk)
+            if limit and sent > limit:
+                raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={limit} "
+                                           "(pass a larger max_bytes, or use copy_out)", message["path"])
+            dst.write(chunk)
 
 
 GUEST_TARS = ("/bin/tar", "/usr/bin/tar")
@@ -681,7 +773,9 @@ def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int)
             os.dup2(devnull, target)
         _close_all_but(keep)
         _join_cgroups(req["cgroup_procs"])
-        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID
+        # The cgroup namespace starts at the guest's own cgroup (joined just above): the guest
+        # sees "/" in /proc/self/cgroup and can never name, let alone kill, a host cgroup.
+        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWCGROUP
         if not req["network"]:
             flags |= CLONE_NEWNET
         uid, gid = os.getuid(), os.getgid()
@@ -689,7 +783,12 @@ def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int)
             flags |= CLONE_NEWUSER
         _unshare(flags)
         if req["userns"]:
-            _write_id_map(uid, gid)
+            _write_id_map(uid, gid)  # before the next line: it makes /proc/self/* root's
+        # Not dumpable: no guest process may ptrace this process or the init it forks, read
+        # their memory or /proc/PID/environ, or take their sockets with pidfd_getfd. Inherited
+        # by every fork (init, per-request children); execve of a guest command resets it.
+        _check(_prctl(PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
+        bpf = bytes.fromhex(req["seccomp"]) if req.get("seccomp") else b""
         root = _mount_root(req)
         ready_r, ready_w = os.pipe()
         pid = os.fork()
@@ -698,8 +797,10 @@ def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int)
             os.close(report_w)
             try:
                 _enter_root(root, req)
-                if not req["userns"]:
-                    _drop_capabilities()
+                _set_rlimits(req)
+                if bpf:
+                    _load_seccomp(bpf)  # after the last mount; before capabilities go
+                _drop_capabilities()
                 os.write(ready_w, b"ok")
             except BaseException as exc:
                 os.write(ready_w, f"guest init failed: {exc}".encode(errors="replace")[:4000])
@@ -764,7 +865,7 @@ def _reap_children() -> None:
             return
 
 
-def _clean_after_owner(guests: dict[int, dict[str, Any]], state: str) -> None:
+def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
     """The pytest process that owned these guests is gone: remove what their destroy would have.
 
     Runs when our socket to that process reaches EOF: a clean close (all guests were destroyed
@@ -774,7 +875,7 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], state: str) -> None:
     """
     deadline = time.monotonic() + JANITOR_WAIT
     for pid, guest in guests.items():
-        record_path = os.path.join(state, "registry", f"{guest['name']}.json")
+        record_path = os.path.join(guest["state"], "registry", f"{guest['name']}.json")
         try:
             with open(record_path) as f:
                 record = json.load(f)
@@ -811,7 +912,7 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], state: str) -> None:
                 pass
 
 
-def zygote(sock: socket.socket, state: str) -> None:
+def zygote(sock: socket.socket) -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
@@ -826,16 +927,19 @@ def zygote(sock: socket.socket, state: str) -> None:
             message, fds = None, []
         if message is None:
             # Our owner closed the socket or died: the one moment nobody else will clean up.
-            _clean_after_owner(guests, state)
+            _clean_after_owner(guests)
             return
         for fd in fds:
             os.close(fd)
         try:
             if message["op"] == "create":
+                # What to clean after a crash, taken before the guest exists: a bad request
+                # fails here, never with a live guest whose socket nobody holds.
+                janitor = {"name": message["name"], "scratch": message["scratch"], "state": message["state"],
+                           "cgroups": [os.path.dirname(p) for p in message["cgroup_procs"]]}
                 reply, out_fds = _create(message)
                 if "pid" in reply:
-                    guests[int(reply["pid"])] = {"name": message["name"], "scratch": message["scratch"],
-                                                 "cgroups": [os.path.dirname(p) for p in message["cgroup_procs"]]}
+                    guests[int(reply["pid"])] = janitor
             elif message["op"] == "ping":
                 reply, out_fds = {"ok": True}, []
             else:
@@ -857,5 +961,6 @@ def _preload() -> None:
 
 
 if __name__ == "__main__":
+    # argv (see namespace.Zygote): "-c" "_nsguest.py" FD TAG; the tag only marks whose helper this is.
     _preload()
-    zygote(socket.socket(fileno=int(sys.argv[1])), sys.argv[2])
+    zygote(socket.socket(fileno=int(sys.argv[2])))

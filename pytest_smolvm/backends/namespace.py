@@ -7,6 +7,7 @@ per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -20,7 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from pytest_smolvm import cgroups
+from pytest_smolvm import cgroups, seccomp
 from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
 from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
@@ -30,6 +31,12 @@ from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import process_start_time, wait_gone
 
 GUEST_HELPER = Path(__file__).with_name("_nsguest.py")
+# The helper's source comes on stdin: its argv (every guest reads it as /proc/1/cmdline) and
+# its environment (the guest cannot read it: the helper is not dumpable) carry no host path.
+HELPER_ARGV0 = "pytest-smolvm-nsguest"
+HELPER_BOOT = "import sys;exec(compile(sys.stdin.buffer.read(),'_nsguest.py','exec'))"
+HELPER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+FILE_OP_TIMEOUT = 900.0  # seconds for one file operation in the guest (a FIFO, a stalled helper)
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -59,12 +66,16 @@ class Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The state dir in argv names whose helper (and whose guests' inits) a process is.
+        # The state dir's tag in argv names whose helper (and whose guests' inits) a process is.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(GUEST_HELPER), str(theirs.fileno()), str(state_dir())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+            [HELPER_ARGV0, "-I", "-S", "-c", HELPER_BOOT, GUEST_HELPER.name, str(theirs.fileno()),
+             cgroups.state_tag(state_dir())],
+            executable=sys.executable, env=HELPER_ENV, pass_fds=[theirs.fileno()], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
+        assert self._proc.stdin is not None
+        with self._proc.stdin:
+            self._proc.stdin.write(GUEST_HELPER.read_bytes())
         self._sock = ours
         self._lock = threading.Lock()
         self._next_id = 0
@@ -103,6 +114,7 @@ class NamespaceGuest:
         self.pid_start = process_start_time(pid)
         self.scratch = scratch
         self.cgroup_dirs = cgroup_dirs
+        self._oom_kills = 0  # the cgroup's OOM kill count after the last exec (a new cgroup has none)
         self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
         self._spec_env_keys = set(spec_env)
         self.workdir = rootfs.workdir or "/"
@@ -133,17 +145,22 @@ class NamespaceGuest:
                 arg_max = out.error.get("arg_max")
                 raise too_big(size, arg_max if isinstance(arg_max, int) else os.sysconf("SC_ARG_MAX"), argv[0])
             raise_error(out.error, self.name, "exec")
-        return GuestExecResult(out.exit_code, out.stdout, out.stderr, out.timed_out, out.truncated, out.cancelled)
+        before, self._oom_kills = self._oom_kills, cgroups.oom_kills(self.cgroup_dirs)
+        return _noting_oom(GuestExecResult(out.exit_code, out.stdout, out.stderr, out.timed_out, out.truncated,
+                                           out.cancelled), self._oom_kills - before)
 
     def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
-                 stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None) -> None:
+                 stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None,
+                 timeout: float = FILE_OP_TIMEOUT) -> None:
         user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
         result = run(self._channel, message, name=self.name, stdin=stdin, output_limit=1 << 16,
-                     timeout=None, stdout_sink=stdout_sink, cancel=cancel)
+                     timeout=timeout, stdout_sink=stdout_sink, cancel=cancel)
         if result.error is not None:
             raise_error(result.error, self.name, f"{message['op']} {message['path']}")
+        if result.timed_out:  # a bound on every host-side read: a stalled or stalling guest side
+            raise GuestError(f"{message['op']} {message['path']} in {self.name}: took longer than {timeout:.0f}s")
         if result.exit_code != 0 and not result.cancelled:
             detail = result.stderr.decode(errors="replace").strip().splitlines()
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
@@ -223,16 +240,28 @@ class NamespaceGuest:
         consumer.start()
         out = os.fdopen(write_fd, "wb")
 
+        stop = Cancel()
+
         def forward(data: bytes) -> None:
-            out.write(data)
+            if stop.cancelled:
+                return
+            try:
+                out.write(data)
+            except BrokenPipeError:
+                # The consumer refused the stream (a cap, a bad member): stop the guest side now
+                # instead of draining it (a sparse terabyte would take hours).
+                stop.cancel()
 
         try:
-            self._file_op(message, user=user, stdout_sink=forward)
+            self._file_op(message, user=user, stdout_sink=forward, cancel=stop)
         finally:
-            out.close()
+            with contextlib.suppress(BrokenPipeError):
+                out.close()
             consumer.join()
         if errors:
             raise errors[0]
+        if stop.cancelled:  # only a consumer that failed closes its end early
+            raise GuestError(f"{message['op']} in {self.name}: the stream's reader stopped")
 
     def logs(self) -> str:
         return ""  # a namespace guest has no console; its history is the exec transcript
@@ -258,6 +287,15 @@ class NamespaceGuest:
         self._channel.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         self._destroyed = True
+
+
+def _noting_oom(result: GuestExecResult, kills: int) -> GuestExecResult:
+    """Say so on stderr when the kernel killed processes for memory during this exec."""
+    if kills <= 0:
+        return result
+    note = (f"\npytest-smolvm: the guest ran out of memory: the kernel killed {kills} process(es) "
+            "(OOM; raise memory_mb in @pytest.mark.smol)\n").encode()
+    return GuestExecResult(result.exit_code, result.stdout, result.stderr + note, result.timed_out)
 
 
 def destroy_recorded(data: Mapping[str, Any]) -> None:
@@ -345,14 +383,18 @@ class NamespaceBackend:
         rootfs = self.rootfs(spec.baseline)
         scratch = state_dir() / "scratch" / spec.name
         scratch.mkdir(parents=True, exist_ok=False)
+        relax = set(spec.relax)
+        bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         cgroup_dirs: list[str] = []
         try:
             cgroup_dirs = cgroups.create(self.limits, f"{cgroups.state_tag(state_dir())}-{spec.name}",
-                                         cpus=spec.cpus, memory_mb=spec.memory_mb)
+                                         cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
-                "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb, "network": spec.network,
-                "userns": self.userns, "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
+                "state": str(state_dir()), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
+                "network": spec.network, "userns": self.userns, "seccomp": bpf,
+                "rlimits": self._rlimits(spec, relax),
+                "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
                 raise ProvisionError(f"namespace guest {spec.name}: {reply['error']}")
         except BaseException:
@@ -363,6 +405,17 @@ class NamespaceBackend:
         ctl = socket.socket(fileno=fds[0])
         return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
 
+    def _rlimits(self, spec: VMSpec, relax: set[str]) -> dict[str, int]:
+        """Per-guest rlimits where no cgroup controller does the job (user-namespace mode)."""
+        if "limits" in relax:
+            return {}
+        found: dict[str, int] = {}
+        if "pids" not in self.limits.parents:
+            found["RLIMIT_NPROC"] = cgroups.DEFAULT_PIDS_MAX
+        if "memory" not in self.limits.parents:
+            found["RLIMIT_FSIZE"] = spec.disk_mb << 20
+        return found
+
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
                         scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
         """Run ``populate`` in a guest, once per host per ``key``, and keep its root as a rootfs."""
@@ -372,7 +425,8 @@ class NamespaceBackend:
             with scratch_guest(baseline) as guest:
                 populate(guest)
                 assert isinstance(guest, NamespaceGuest)
-                guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False))
+                guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False,
+                                                             what="warm baseline export"))
 
         warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")

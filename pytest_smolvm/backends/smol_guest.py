@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+from pytest_smolvm import hostfs
 from pytest_smolvm.backends import Cancel, GuestExecResult, OutputCallback, smol_handle
 from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.backends.smol_common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
@@ -460,11 +461,16 @@ def _rename_members(source: IO[bytes], out: IO[bytes], base: str, arcname: str) 
             return arcname + stripped[len(base):]
         return name
 
+    written = 0
     try:
         with tarfile.open(fileobj=source, mode="r|") as tin, \
                 tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tout:
             for member in tin:
                 fileobj = tin.extractfile(member) if member.isreg() else None
+                written += member.size if member.isreg() else 0
+                if written > hostfs.DEFAULT_MAX_BYTES:  # a sparse member would expand in full here
+                    raise GuestError(f"copy_out: the guest's archive holds more than {hostfs.DEFAULT_MAX_BYTES} "
+                                     "bytes (the cap); refused")
                 changes: dict[str, Any] = {"name": rename(member.name)}
                 if member.islnk():
                     changes["linkname"] = rename(member.linkname)

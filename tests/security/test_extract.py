@@ -1,0 +1,423 @@
+"""The host-side extraction on its own, fed hostile archives directly (no guest involved).
+
+Every case is a tree a guest could stream out of ``copy_out`` or a warm export (or an image
+layer could carry). The published proof-of-concept shapes of CVE-2025-4517, CVE-2025-4330,
+CVE-2025-4138 and CVE-2024-12718 get past ``tarfile``'s ``data`` filter on Python 3.11.7; here
+they must not put, change or link anything outside the destination. The "host" they aim at
+is a canary dir under this test's tmp dir: harmless if an attack succeeds.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm import hostfs
+from pytest_smolvm.baseline import apply_layer
+from pytest_smolvm.errors import UsageError
+
+PAYLOAD = "payload"
+
+
+class Canary:
+    """A dir outside the destination with a file, watched for any change."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "host"
+        self.dir.mkdir()
+        self.file = self.dir / "secret"
+        self.file.write_text("host data")
+        self.file.chmod(0o600)
+        self.before = self.snapshot()
+
+    def snapshot(self) -> dict[str, tuple[int, int, int, bytes]]:
+        found = {}
+        for path in [self.dir, *self.dir.rglob("*")]:
+            st = path.lstat()
+            data = path.read_bytes() if stat.S_ISREG(st.st_mode) else b""
+            found[str(path)] = (st.st_mode, st.st_nlink, st.st_ino, data)
+        return found
+
+    def assert_untouched(self) -> None:
+        assert self.snapshot() == self.before, "a file outside the destination changed"
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Canary:
+    return Canary(tmp_path)
+
+
+@pytest.fixture
+def dest(tmp_path: Path) -> Path:
+    path = tmp_path / "a" / "b" / "dest"
+    path.mkdir(parents=True)
+    return path
+
+
+def _tar(build: Callable[[tarfile.TarFile], None]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        build(tar)
+    return buffer.getvalue()
+
+
+def _dir(tar: tarfile.TarFile, name: str, mode: int = 0o755) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.mode = tarfile.DIRTYPE, mode
+    tar.addfile(info)
+
+
+def _sym(tar: tarfile.TarFile, name: str, target: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    tar.addfile(info)
+
+
+def _hard(tar: tarfile.TarFile, name: str, target: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.LNKTYPE, target
+    tar.addfile(info)
+
+
+def _file(tar: tarfile.TarFile, name: str, data: bytes = b"pwned", mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), mode
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _up_to(dest: Path, target: Path) -> str:
+    return os.path.relpath(target, dest)
+
+
+# ------------------------------------------------------------------ the published PoC shapes
+
+
+def cve_2025_4517(dest: Path, canary: Canary, prefix: str) -> bytes:
+    """Nested long-named dirs and symlinks: realpath() stops short of PATH_MAX, the filter
+    thinks the final link stays inside, and a file is written through it."""
+    comp = "d" * 247
+    steps = "abcdefghijklmnop"
+
+    def build(tar: tarfile.TarFile) -> None:
+        path = prefix
+        for step in steps:
+            _dir(tar, os.path.join(path, comp))
+            _sym(tar, os.path.join(path, step), comp)
+            path = os.path.join(path, comp)
+        link_path = os.path.join(prefix, *steps, "l" * 254)
+        _sym(tar, link_path, os.path.join(*[".."] * len(steps)))
+        escape = os.path.join(link_path, _up_to(dest / prefix if prefix else dest, canary.dir))
+        _sym(tar, os.path.join(prefix, "escape"), escape)
+        _file(tar, os.path.join(prefix, "escape", "secret"), b"overwritten")
+        _file(tar, os.path.join(prefix, "escape", "planted"))
+        _hard(tar, os.path.join(prefix, "hl"), os.path.join(prefix, "escape", "secret"))
+    return _tar(build)
+
+
+def cve_2025_4330(dest: Path, canary: Canary, prefix: str) -> bytes:
+    """The same chain used for a symlink that points outside, then written through."""
+    comp = "c" * 247
+    steps = "abcdefghijklmnop"
+
+    def build(tar: tarfile.TarFile) -> None:
+        path = prefix
+        for step in steps:
+            _dir(tar, os.path.join(path, comp))
+            _sym(tar, os.path.join(path, step), comp)
+            path = os.path.join(path, comp)
+        link_path = os.path.join(prefix, *steps, "l" * 254)
+        _sym(tar, link_path, os.path.join(*[".."] * len(steps)))
+        outside = _up_to(dest / prefix if prefix else dest, canary.dir)
+        _sym(tar, os.path.join(prefix, "out"), os.path.join(link_path, outside))
+        _file(tar, os.path.join(prefix, "out", "secret"), b"overwritten")
+    return _tar(build)
+
+
+def cve_2025_4138(dest: Path, canary: Canary, prefix: str) -> bytes:
+    """A link to a link to outside: each link alone looks fine, the pair escapes."""
+    def build(tar: tarfile.TarFile) -> None:
+        _dir(tar, os.path.join(prefix, "x") if prefix else "x")
+        _sym(tar, os.path.join(prefix, "x", "up"), "..")
+        _sym(tar, os.path.join(prefix, "esc"), os.path.join("x", "up", "..", "..", _up_to(dest, canary.dir)))
+        _sym(tar, os.path.join(prefix, "x", "chain"), os.path.join("up", "up", "up", "up"))
+        _file(tar, os.path.join(prefix, "esc", "planted"))
+        _file(tar, os.path.join(prefix, "x", "chain", "planted"))
+    return _tar(build)
+
+
+def cve_2024_12718(dest: Path, canary: Canary, prefix: str) -> bytes:
+    """Metadata through links: a dir and a file member named like a link change its target's
+    mode and mtime; a hard link to the link's target pulls a host inode into the tree."""
+    def build(tar: tarfile.TarFile) -> None:
+        _sym(tar, os.path.join(prefix, "m"), str(canary.file))
+        _sym(tar, os.path.join(prefix, "d"), str(canary.dir))
+        _dir(tar, os.path.join(prefix, "d"), mode=0o777)
+        info = tarfile.TarInfo(os.path.join(prefix, "m"))
+        info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o777, 0
+        tar.addfile(info)
+        _sym(tar, os.path.join(prefix, "s"), str(canary.dir))
+        _hard(tar, os.path.join(prefix, "h"), os.path.join(prefix, "s", "secret"))
+        _hard(tar, os.path.join(prefix, "abs"), str(canary.file))
+    return _tar(build)
+
+
+def symlink_chain_loop(dest: Path, canary: Canary, prefix: str) -> bytes:
+    def build(tar: tarfile.TarFile) -> None:
+        _sym(tar, os.path.join(prefix, "p"), "q")
+        _sym(tar, os.path.join(prefix, "q"), "p")
+        _file(tar, os.path.join(prefix, "p", "x"))
+    return _tar(build)
+
+
+def write_through_plain_link(dest: Path, canary: Canary, prefix: str) -> bytes:
+    def build(tar: tarfile.TarFile) -> None:
+        _sym(tar, os.path.join(prefix, "lib"), str(canary.dir))
+        _file(tar, os.path.join(prefix, "lib", "secret"), b"overwritten")
+        _sym(tar, os.path.join(prefix, "rel"), _up_to(dest / prefix if prefix else dest, canary.dir))
+        _file(tar, os.path.join(prefix, "rel", "planted"))
+    return _tar(build)
+
+
+SHAPES = [cve_2025_4517, cve_2025_4330, cve_2025_4138, cve_2024_12718, symlink_chain_loop,
+          write_through_plain_link]
+
+
+def _outside(tmp_path: Path, dest: Path) -> set[str]:
+    """Every path under tmp_path but outside dest (dest itself is not walked: its names are deep)."""
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(tmp_path):
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) != str(dest)]
+        found.update(os.path.join(dirpath, n) for n in dirnames + filenames)
+    return found
+
+
+def _inodes(dest: Path) -> set[int]:
+    """The inodes of every regular file under dest, walked by fd (names may exceed PATH_MAX)."""
+    found = set()
+    for _dirpath, _dirnames, filenames, dirfd in os.fwalk(dest):
+        for name in filenames:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                found.add(st.st_ino)
+    return found
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.__name__ for s in SHAPES])
+def test_copy_out_rules_hold_against_poc_trees(shape: Callable[[Path, Canary, str], bytes], dest: Path,
+                                               canary: Canary, tmp_path: Path) -> None:
+    data = shape(dest, canary, PAYLOAD)
+    before = _outside(tmp_path, dest)
+    with pytest.raises(hostfs.UnsafeArchive, match="refused"):
+        hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    canary.assert_untouched()
+    assert _outside(tmp_path, dest) == before
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.__name__ for s in SHAPES])
+def test_layer_rules_hold_against_poc_trees(shape: Callable[[Path, Canary, str], bytes], dest: Path,
+                                            canary: Canary, tmp_path: Path) -> None:
+    """A warm export or an image layer: links are kept (a rootfs has absolute ones), but the
+    host never resolves one; at worst a member is refused or lands inside the tree."""
+    data = shape(dest, canary, "")
+    before = _outside(tmp_path, dest)
+    try:
+        apply_layer(io.BytesIO(data), dest, squash_owner=False)
+    except UsageError as exc:
+        assert str(exc).startswith("--smol-baseline: ")
+    canary.assert_untouched()
+    assert _outside(tmp_path, dest) == before
+    assert canary.file.stat().st_ino not in _inodes(dest), "a host inode was linked into the tree"
+
+
+def test_this_python_tarfile_filter_alone_is_not_relied_on(dest: Path, canary: Canary) -> None:
+    """Whatever tarfile's data filter does on this Python, hostfs refuses the 4517 tree by itself."""
+    data = cve_2025_4517(dest, canary, PAYLOAD)
+    with pytest.raises(hostfs.UnsafeArchive, match=r"leaves the copied tree|is a symlink"):
+        hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+
+
+# ------------------------------------------------------------------ kinds, caps and time
+
+
+@pytest.mark.parametrize("kind", [tarfile.FIFOTYPE, tarfile.CHRTYPE, tarfile.BLKTYPE])
+def test_devices_and_fifos_are_refused_on_copy_out(kind: bytes, dest: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(f"{PAYLOAD}/node")
+        info.type, info.devmajor, info.devminor = kind, 1, 5
+        tar.addfile(info)
+    with pytest.raises(hostfs.UnsafeArchive, match=r"a FIFO|a device"):
+        hostfs.extract(io.BytesIO(_tar(build)), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    assert not (dest / PAYLOAD / "node").exists()
+
+
+def test_dev_zero_link_is_refused(dest: Path) -> None:
+    data = _tar(lambda tar: _sym(tar, PAYLOAD, "/dev/zero"))
+    with pytest.raises(hostfs.UnsafeArchive, match="leaves the copied tree"):
+        hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+
+
+def test_names_that_leave_the_tree_are_refused(dest: Path) -> None:
+    for name in ("/etc/x", f"{PAYLOAD}/../../x", "other"):
+        data = _tar(lambda tar, name=name: _file(tar, name))  # type: ignore[misc]
+        with pytest.raises(hostfs.UnsafeArchive, match="refused"):
+            hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+
+
+def test_byte_cap_is_checked_while_reading(dest: Path) -> None:
+    big = 8 << 20
+    data = _tar(lambda tar: _file(tar, f"{PAYLOAD}/big", b"\0" * big))
+    with pytest.raises(hostfs.UnsafeArchive, match="the cap"):
+        hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD),
+                       hostfs.Caps(max_bytes=1 << 20))
+    assert (dest / PAYLOAD / "big").stat().st_size <= 2 << 20  # stopped near the cap, not after
+
+
+def test_member_cap(dest: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        _dir(tar, PAYLOAD)
+        for i in range(50):
+            _file(tar, f"{PAYLOAD}/f{i}", b"")
+    with pytest.raises(hostfs.UnsafeArchive, match="members"):
+        hostfs.extract(io.BytesIO(_tar(build)), dest, hostfs.Policy("copy_out", prefix=PAYLOAD),
+                       hostfs.Caps(max_members=10))
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar to write a sparse member")
+def test_sparse_huge_file_is_capped(tmp_path: Path, dest: Path) -> None:
+    """A 1 TiB sparse file is a few blocks in the stream; written out it counts at full size."""
+    src = tmp_path / "src" / PAYLOAD
+    src.mkdir(parents=True)
+    with open(src / "huge", "wb") as f:
+        f.truncate(1 << 40)
+    archive = subprocess.run(["tar", "--sparse", "-c", "-f", "-", "-C", str(src.parent), PAYLOAD],
+                             capture_output=True, check=True, timeout=60).stdout
+    assert len(archive) < 1 << 20
+    started = time.monotonic()
+    with pytest.raises(hostfs.UnsafeArchive, match="the cap"):
+        hostfs.extract(io.BytesIO(archive), dest, hostfs.Policy("copy_out", prefix=PAYLOAD),
+                       hostfs.Caps(max_bytes=16 << 20))
+    assert time.monotonic() - started < 30
+    assert (dest / PAYLOAD / "huge").stat().st_blocks * 512 <= 32 << 20
+
+
+def test_a_stalled_stream_times_out(dest: Path) -> None:
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, _tar(lambda tar: _dir(tar, PAYLOAD))[:512])  # a header, then nothing
+    started = time.monotonic()
+    try:
+        with os.fdopen(read_fd, "rb") as stream, pytest.raises(hostfs.UnsafeArchive, match="longer than"):
+            hostfs.extract(stream, dest, hostfs.Policy("copy_out", prefix=PAYLOAD), hostfs.Caps(timeout=1.0))
+    finally:
+        os.close(write_fd)
+    assert time.monotonic() - started < 10
+
+
+def test_a_spewing_pipe_is_capped(tmp_path: Path) -> None:
+    read_fd, write_fd = os.pipe()
+    writer = threading.Thread(target=lambda: _spew(write_fd), daemon=True)
+    writer.start()
+    with os.fdopen(read_fd, "rb") as stream, pytest.raises(hostfs.UnsafeArchive, match="the cap"):
+        reader = hostfs.BoundedReader(stream, max_bytes=1 << 20, timeout=10, what="read")
+        while reader.read(1 << 16):
+            pass
+    writer.join(5)
+
+
+def _spew(fd: int) -> None:
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ what must still work
+
+
+@pytest.fixture
+def good_tree() -> Iterator[bytes]:
+    def build(tar: tarfile.TarFile) -> None:
+        _dir(tar, PAYLOAD, 0o750)
+        _dir(tar, f"{PAYLOAD}/sub", 0o700)
+        _file(tar, f"{PAYLOAD}/sub/run.sh", b"#!/bin/sh\n", 0o4755)
+        _sym(tar, f"{PAYLOAD}/link", "sub/run.sh")
+        _hard(tar, f"{PAYLOAD}/hard", f"{PAYLOAD}/sub/run.sh")
+        _dir(tar, f"{PAYLOAD}/ro", 0o555)
+        _file(tar, f"{PAYLOAD}/ro/inside", b"x")
+    yield _tar(build)
+
+
+def test_a_plain_tree_comes_out_whole(good_tree: bytes, dest: Path) -> None:
+    hostfs.extract(io.BytesIO(good_tree), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    out = dest / PAYLOAD
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert stat.S_IMODE((out / "sub" / "run.sh").stat().st_mode) == 0o755  # setuid stripped
+    assert os.readlink(out / "link") == "sub/run.sh"
+    assert (out / "hard").stat().st_ino == (out / "sub" / "run.sh").stat().st_ino
+    assert (out / "ro" / "inside").read_bytes() == b"x"
+    assert stat.S_IMODE((out / "ro").stat().st_mode) == 0o555
+    (out / "ro").chmod(0o755)
+
+
+def test_layers_keep_whiteouts_and_in_tree_links(dest: Path) -> None:
+    def lower(tar: tarfile.TarFile) -> None:
+        _dir(tar, "usr/lib")
+        _sym(tar, "lib", "usr/lib")
+        _file(tar, "usr/lib/old", b"old")
+        _dir(tar, "etc")
+        _file(tar, "etc/a", b"a")
+        _file(tar, "etc/b", b"b")
+
+    def upper(tar: tarfile.TarFile) -> None:
+        _file(tar, "lib/added", b"new")  # through /lib -> usr/lib, inside the tree
+        _file(tar, "usr/lib/.wh.old", b"")
+        _dir(tar, "etc")
+        _file(tar, "etc/.wh..wh..opq", b"")
+        _file(tar, "etc/c", b"c")
+    apply_layer(io.BytesIO(_tar(lower)), dest, squash_owner=True)
+    apply_layer(io.BytesIO(_tar(upper)), dest, squash_owner=True)
+    assert (dest / "usr/lib/added").read_bytes() == b"new"
+    assert not (dest / "usr/lib/old").exists()
+    assert sorted(p.name for p in (dest / "etc").iterdir()) == ["c"]
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar to write a sparse member")
+def test_smol_backend_renaming_does_not_expand_a_sparse_terabyte(tmp_path: Path) -> None:
+    """The smol backend renames the guest's tar before copy_out's rules see it: that pass is capped too."""
+    from pytest_smolvm.backends.smol import _rename_members
+    from pytest_smolvm.errors import GuestError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "huge", "wb") as f:
+        f.truncate(1 << 40)
+    archive = subprocess.run(["tar", "--sparse", "-c", "-f", "-", "-C", str(src), "huge"],
+                             capture_output=True, check=True, timeout=60).stdout
+    out = io.BytesIO()
+    with pytest.raises(GuestError, match="the cap"):
+        _rename_members(io.BytesIO(archive), out, "huge", PAYLOAD)
+    assert len(out.getvalue()) < 1 << 20
+
+
+def test_an_absurd_member_is_a_clear_refusal(dest: Path) -> None:
+    def build(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(f"{PAYLOAD}/old")
+        info.mtime = 10 ** 30
+        tar.addfile(info, io.BytesIO(b""))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        build(tar)
+    with pytest.raises(hostfs.UnsafeArchive, match="cannot unpack 'payload/old'"):
+        hostfs.extract(io.BytesIO(buffer.getvalue()), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))

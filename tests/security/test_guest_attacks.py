@@ -1,0 +1,449 @@
+"""The hostile-guest suite: each test attacks the host from inside a namespace guest.
+
+One test per attack from issue 11 and per boundary that held, each asserting that the boundary
+holds. Every test is harmless to the host if its attack succeeds: canaries under tmp dirs, and
+a sacrificial process in a sacrificial cgroup of the test's own. The same file runs as root
+(here) and as ``nobody`` with guests in a user namespace (test_unprivileged_attacks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import io
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
+from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
+from pytest_smolvm.errors import GuestError, UsageError
+from pytest_smolvm.vm import VM
+from tests.security.conftest import HOST_SECRET_VAR
+
+ROOT = os.geteuid() == 0
+Probe = Callable[..., dict[str, str]]
+
+
+def refused(outcome: str) -> bool:
+    return outcome.startswith("errno=") and int(outcome[6:]) in (errno.EPERM, errno.EACCES, errno.ENOSYS)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    found = {}
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        found[str(path)] = (st.st_mode, st.st_ino, path.read_bytes() if path.is_file() and not path.is_symlink()
+                            else b"")
+    return found
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Iterator[Path]:
+    """A host dir an attack would write to, chmod or link from; checked unchanged after."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret").write_text("host data")
+    (host / "secret").chmod(0o600)
+    before = _snapshot(host)
+    yield host
+    assert _snapshot(host) == before, "the guest changed a host file"
+
+
+# ------------------------------------------------------------------ 1. host write through copy_out
+
+
+def test_1_copy_out_of_a_cve_2025_4517_tree_writes_nothing_on_the_host(vm: VM, canary: Path,
+                                                                       tmp_path: Path) -> None:
+    """The nested-symlink tree that beats tarfile's data filter on 3.11.7, built in the guest."""
+    dest = tmp_path / "x" / "y" / "out"
+    steps, comp = "abcdefghijklmno", "d" * 247  # as deep as the guest's own tar can still walk
+    up = os.path.relpath(canary, dest)
+    script = ["set -e", "mkdir -p /evil && cd /evil", "p=."]
+    for step in steps:
+        script += [f"mkdir -p $p/{comp}", f"ln -s {comp} $p/{step}", f"p=$p/{comp}"]
+    link = "/".join(steps) + "/" + "l" * 254
+    script += [f"ln -s {'/'.join(['..'] * len(steps))} {link}", f"ln -s {link}/{up} escape",
+               f"ln -s {up} plain"]
+    vm.exec("\n".join(script), check=True)
+    with pytest.raises(GuestError, match="refused"):
+        vm.copy_out("/evil", dest)
+    assert not dest.exists()
+
+
+# ------------------------------------------------------------------ 2. host change through the warm export
+
+
+def test_2_warm_export_cannot_chmod_or_link_host_files(vm: VM, canary: Path, tmp_path: Path) -> None:
+    """Links made in the guest come out as links, never resolved: no chmod, no host inode."""
+    secret = canary / "secret"
+    vm.exec(f"mkdir -p /w && ln -s {secret} /w/file && ln -s {canary} /w/dir && "
+            f"ln -s {canary} /w/dotdot && mkdir -p {canary} && echo guest > {secret} && "
+            f"chmod 777 {canary} {secret} && ln {secret} /w/hard", check=True)
+    staging = tmp_path / "warm"
+    staging.mkdir()
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest)
+    guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False, what="warm baseline export"))
+    assert os.readlink(staging / "w" / "file") == str(secret)
+    # The guest's own file at the canary's path landed inside the tree, not on the host.
+    assert (staging / str(secret).lstrip("/")).read_text() == "guest\n"
+    assert (staging / "w" / "hard").stat().st_ino != secret.stat().st_ino
+
+
+def test_2b_a_forged_export_stream_cannot_reach_the_host(tmp_path: Path, canary: Path) -> None:
+    """Even if a guest wrote the export stream itself: a dir member named like a link to a host
+    dir (chmod through a symlink) and a hard link through a symlink."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, kind, target in (("l", tarfile.SYMTYPE, str(canary)), ("f", tarfile.SYMTYPE, str(canary / "secret"))):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            tar.addfile(info)
+        info = tarfile.TarInfo("l")
+        info.type, info.mode = tarfile.DIRTYPE, 0o777
+        tar.addfile(info)
+        info = tarfile.TarInfo("h")
+        info.type, info.linkname = tarfile.LNKTYPE, "l/secret"
+        tar.addfile(info)
+    staging = tmp_path / "warm"
+    staging.mkdir()
+    with pytest.raises(UsageError, match=r"warm baseline export: .*hard link"):
+        apply_layer(io.BytesIO(buffer.getvalue()), staging, squash_owner=False, what="warm baseline export")
+
+
+# ------------------------------------------------------------------ 3. ptrace of init and helpers
+
+
+def test_3_guest_cannot_ptrace_its_init_or_take_its_socket(vm: VM, probe: Probe) -> None:
+    found = probe("ptrace_init", "ptrace_seize_init", "vm_read_init", "pidfd_getfd_init", "mem_init")
+    assert all(refused(v) for v in found.values()), found
+    assert vm.exec("exit 7").exit_code == 7  # results still come from an untouched init
+    assert vm.exec("cat /proc/1/environ").exit_code != 0
+
+
+def test_3b_guest_cannot_ptrace_the_per_request_helpers(vm: VM, probe_binary: Path) -> None:
+    """A probe in the background hunts the helpers the host forks for file operations."""
+    vm.copy_in(probe_binary, "/probe")
+    vm.exec("head -c 4000000 /dev/urandom > /big", check=True)
+    vm.exec("(/probe ptrace_helpers=3 > /spy.out 2>&1 &)", check=True)
+    deadline = time.monotonic() + 3.5
+    while time.monotonic() < deadline:
+        vm.read_file("/big")
+    line = ""
+    for _ in range(100):
+        line = vm.exec("cat /spy.out").stdout.strip()
+        if line:
+            break
+        time.sleep(0.1)
+    found = dict(part.split("=") for part in line.split()[1:])
+    assert int(found["found"]) > 0, f"the probe saw no helper to attack: {line}"
+    assert found["attached"] == "0", line
+
+
+# ------------------------------------------------------------------ 4. killing host processes via cgroups
+
+
+@pytest.fixture
+def sacrificial_cgroup() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A v2 cgroup of this test's own holding a sleep: what the guest aims cgroup.kill at."""
+    root = next((p for p in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+                 if os.path.exists(os.path.join(p, "cgroup.controllers"))), None)
+    if not ROOT or root is None:
+        pytest.skip("needs root and a cgroup2 hierarchy for a sacrificial cgroup")
+    name = f"smolvm-sacrifice-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(root, name)
+    os.mkdir(path)
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        Path(path, "cgroup.procs").write_text(str(victim.pid))
+        yield name, victim
+    finally:
+        victim.kill()
+        victim.wait()
+        for _ in range(100):
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def test_4_guest_cannot_kill_a_host_cgroup(probe: Probe, sacrificial_cgroup: tuple[str, subprocess.Popen[bytes]],
+                                           vm: VM) -> None:
+    name, victim = sacrificial_cgroup
+    found = probe(f"cgroup_kill={name}")
+    assert refused(found["cgroup_kill"]), found
+    time.sleep(0.2)
+    assert victim.poll() is None, "the sacrificial host process was killed"
+    assert vm.exec("cat /proc/self/cgroup").stdout.strip().splitlines()[-1] == "0::/"
+
+
+def test_4b_no_cgroup_mount_from_a_nested_namespace(probe: Probe) -> None:
+    found = probe("cgroup_kill=.")
+    assert refused(found["cgroup_kill"]), found
+
+
+# ------------------------------------------------------------------ 5. the host environment
+
+
+def test_5_guest_sees_none_of_the_host_environment(vm: VM, host_secret: str) -> None:
+    assert os.environ[HOST_SECRET_VAR] == host_secret
+    assert vm.exec("cat /proc/1/environ").exit_code != 0
+    seen = vm.exec("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'").stdout
+    assert host_secret not in seen
+    assert HOST_SECRET_VAR not in seen
+
+
+# ------------------------------------------------------------------ 6. kernel keyrings
+
+
+KEY_SPEC_USER_KEYRING = -4
+SYS_ADD_KEY, SYS_KEYCTL = 248, 250
+KEYCTL_INVALIDATE = 21
+
+
+@pytest.fixture
+def host_key() -> Iterator[str]:
+    if os.uname().machine != "x86_64":
+        pytest.skip("the keyring canary uses x86_64 syscall numbers")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    description = f"smolvm-canary-{uuid.uuid4().hex[:8]}"
+    key = libc.syscall(ctypes.c_long(SYS_ADD_KEY), b"user", description.encode(), b"host-key-secret",
+                       ctypes.c_size_t(15), ctypes.c_int(KEY_SPEC_USER_KEYRING))
+    if key < 0:
+        pytest.skip(f"cannot add a canary key here: {os.strerror(ctypes.get_errno())}")
+    try:
+        yield description
+    finally:
+        libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_int(KEYCTL_INVALIDATE), ctypes.c_long(key))
+
+
+def test_6_keyrings_are_not_shared_with_the_host(vm: VM, probe: Probe, host_key: str) -> None:
+    found = probe("keyctl", "add_key", f"request_key={host_key}")
+    assert all(refused(v) for v in found.values()), found
+    assert host_key not in vm.exec("cat /proc/keys /proc/key-users 2>/dev/null").stdout
+
+
+# ------------------------------------------------------------------ 7. host DoS through file ops
+
+
+def test_7_read_file_of_a_fifo_fails_at_once(vm: VM) -> None:
+    vm.exec("mkfifo /workspace/fifo", check=True)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="not a regular file") as refused_read:
+        vm.read_file("/workspace/fifo")
+    assert refused_read.value.errno == errno.EINVAL
+    assert time.monotonic() - started < 10
+
+
+def test_7b_read_file_of_a_dev_zero_link_is_refused(vm: VM) -> None:
+    vm.exec("ln -s /dev/zero /workspace/zero", check=True)
+    with pytest.raises(OSError, match="not a regular file"):
+        vm.read_file("/workspace/zero")
+
+
+def test_7c_read_file_is_capped(vm: VM) -> None:
+    vm.exec("head -c 3000000 /dev/zero > /workspace/big", check=True)
+    with pytest.raises(OSError, match="max_bytes") as too_big:
+        vm.read_file("/workspace/big", max_bytes=1 << 20)
+    assert too_big.value.errno == errno.EFBIG
+    assert len(vm.read_file("/workspace/big")) == 3000000
+
+
+def test_7d_copy_out_of_a_sparse_terabyte_is_capped(vm: VM, tmp_path: Path) -> None:
+    # Where RLIMIT_FSIZE stands in for a cgroup (user namespace) the terabyte is refused in
+    # the guest already: the largest sparse file the limit allows makes the same point.
+    vm.exec(f"truncate -s {1 << 40} /workspace/huge || truncate -s $(($(ulimit -f) * 512)) /workspace/huge",
+            check=True)
+    started = time.monotonic()
+    with pytest.raises(GuestError, match="the cap"):
+        vm.copy_out("/workspace", tmp_path / "out", max_bytes=32 << 20)
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # the staging dir is gone too
+    assert vm.exec("echo still-serving").stdout == "still-serving\n"  # the abandoned stream left no mess
+
+
+def test_7e_copy_out_refuses_fifos_and_devices(vm: VM, tmp_path: Path) -> None:
+    vm.exec("mkdir -p /t && mkfifo /t/fifo", check=True)
+    with pytest.raises(GuestError, match="a FIFO"):
+        vm.copy_out("/t", tmp_path / "out")
+
+
+# ------------------------------------------------------------------ 8. default limits
+
+
+def test_8_default_limits_apply(make_vm: Callable[..., VM], ns_backend: NamespaceBackend) -> None:
+    vm = make_vm()
+    assert vm.exec("df -m /workspace | tail -1").stdout.split()[1] in ("2048", "2047")
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest)
+    if ns_backend.limits.parents:
+        for d in guest.cgroup_dirs:
+            names = os.listdir(d)
+            if "pids.max" in names:
+                assert Path(d, "pids.max").read_text().strip() == "4096"
+            for memory_file in ("memory.limit_in_bytes", "memory.max"):
+                if memory_file in names:
+                    assert int(Path(d, memory_file).read_text()) == 4096 << 20
+    else:  # no cgroup can be had (user namespace): rlimits instead
+        assert vm.exec("ulimit -u").stdout.strip() == "4096"
+        assert vm.exec("ulimit -f").stdout.strip() != "unlimited"
+
+
+def test_8b_an_oom_kill_is_reported(make_vm: Callable[..., VM], ns_backend: NamespaceBackend) -> None:
+    if "memory" not in ns_backend.limits.parents:
+        pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
+    vm = make_vm(memory_mb=64)
+    result = vm.exec("dd if=/dev/zero of=/dev/null bs=200M count=1", timeout=60)
+    assert result.exit_code != 0
+    assert "ran out of memory" in result.stderr
+    assert "ran out of memory" in vm.transcript_text()
+
+
+def test_8c_process_limit_holds(vm: VM) -> None:
+    result = vm.exec("i=0; while [ $i -lt 5000 ]; do sleep 30 & i=$((i+1)); done 2>&1 | tail -1; "
+                     "ls /proc | grep -c '^[0-9]'", timeout=120)
+    assert int(result.stdout.strip().splitlines()[-1]) <= 4100
+
+
+# ------------------------------------------------------------------ 9. seccomp
+
+
+SECCOMP_ATTACKS = ("unshare_user", "clone_user", "io_uring", "userfaultfd", "perf_event_open", "bpf",
+                   "keyctl", "af_packet", "raw_socket", "nf_netlink", "mount", "open_by_handle_at",
+                   "kexec_load", "init_module")
+
+
+def test_9_seccomp_denies_the_dangerous_syscalls(probe: Probe) -> None:
+    found = probe(*SECCOMP_ATTACKS)
+    assert {k for k, v in found.items() if not refused(v)} == set(), found
+    # The filter, not only missing capabilities: /proc says a filter is on.
+
+
+def test_9b_the_filter_is_on_and_relax_turns_it_off(make_vm: Callable[..., VM], probe: Probe) -> None:
+    assert "Seccomp:\t2" in make_vm().exec("cat /proc/self/status").stdout
+    relaxed = make_vm(relax=("seccomp",))
+    assert "Seccomp:\t0" in relaxed.exec("cat /proc/self/status").stdout
+    found = probe("io_uring", guest=relaxed)
+    assert found["io_uring"] != f"errno={errno.EPERM}", found
+
+
+# ------------------------------------------------------------------ 10. host paths
+
+
+def test_10_no_host_path_reaches_the_guest(vm: VM, security_env: Path, baseline: Baseline) -> None:
+    seen = vm.exec("cat /proc/self/mountinfo /proc/1/mountinfo /proc/self/cgroup; "
+                   "cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+    host_paths = {str(security_env), os.environ["PYTEST_SMOLVM_CACHE_DIR"], sys.executable,
+                  str(Path(__file__).parents[2]), str(baseline.path)}
+    leaked = {p for p in host_paths if p in seen}
+    assert leaked == set(), seen
+
+
+# ------------------------------------------------------------------ boundaries that held
+
+
+def test_held_network_is_loopback_only(vm: VM, probe: Probe) -> None:
+    name = f"smolvm-abstract-{uuid.uuid4().hex[:8]}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(1)
+    try:
+        found = probe(f"abstract={name}")
+        assert found["abstract"].startswith("errno="), found
+        port = tcp.getsockname()[1]
+        reach = vm.exec(f"nc -w 2 127.0.0.1 {port} </dev/null && echo reached || echo refused", timeout=30)
+        assert "reached" not in reach.stdout
+        assert vm.exec("ls /sys/class/net 2>/dev/null; cat /proc/net/dev").stdout.count(":") <= 2
+    finally:
+        listener.close()
+        tcp.close()
+
+
+def test_held_guests_are_invisible_to_each_other(make_vm: Callable[..., VM]) -> None:
+    first, second = make_vm(), make_vm()
+    first.exec("echo mine > /workspace/marker; (setsid sleep 300 &)", check=True)
+    assert second.exec("test -e /workspace/marker").exit_code != 0
+    assert "sleep 300" not in second.exec("ps").stdout
+
+
+def test_held_cached_baseline_stays_intact(vm: VM, baseline: Baseline, ns_backend: NamespaceBackend,
+                                           make_vm: Callable[..., VM]) -> None:
+    rootfs = ns_backend.rootfs(baseline).path
+    before = tree_digest(rootfs)
+    vm.exec("rm -rf /bin/busybox /etc/* /lib/* 2>/dev/null; echo x > /sbin/marker; true")
+    assert tree_digest(rootfs) == before
+    assert make_vm().exec("echo fine").stdout == "fine\n"
+
+
+def test_held_plain_outward_symlinks_are_refused_on_copy_out(vm: VM, tmp_path: Path) -> None:
+    vm.exec("mkdir -p /o && ln -s /etc/passwd /o/abs && ln -s ../../../../../etc /o/up", check=True)
+    with pytest.raises(GuestError, match="leaves the copied tree"):
+        vm.copy_out("/o", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_held_leftover_daemons_are_killed_at_teardown(make_vm: Callable[..., VM]) -> None:
+    vm = make_vm()
+    marker = str(secrets.randbelow(900_000) + 100_000)  # sleep's argument: digits only
+    vm.exec(f"(setsid sleep 1{marker} &); (nohup sleep 2{marker} >/dev/null 2>&1 &)", check=True)
+    pattern = [f"1{marker}".encode(), f"2{marker}".encode()]
+    deadline = time.monotonic() + 10
+    while len(_host_pids(pattern)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the subshells have returned; their children may not have exec'd yet
+    assert len(_host_pids(pattern)) == 2
+    vm._guest.destroy()
+    deadline = time.monotonic() + 10
+    while _host_pids(pattern) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _host_pids(pattern)
+
+
+def _host_pids(args: list[bytes]) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if argv[:1] == [b"sleep"] and any(a in argv for a in args):
+                found.append(int(entry))
+    return found
+
+
+def test_relax_rejects_unknown_parts() -> None:
+    from pytest_smolvm.settings import MarkerSpec
+
+    with pytest.raises(UsageError, match="unknown part 'network'"):
+        MarkerSpec().merged({"relax": ["network"]}, "@pytest.mark.smol")
+    assert MarkerSpec().merged({"relax": ["seccomp", "limits"]}, "@pytest.mark.smol").relax == ("seccomp", "limits")
+
+
+def test_missing_libseccomp_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_smolvm import seccomp
+    from pytest_smolvm.errors import ProvisionError
+
+    seccomp.guest_filter.cache_clear()
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails as if not installed
+    try:
+        with pytest.raises(ProvisionError, match="pip install pyseccomp"):
+            seccomp.guest_filter()
+    finally:
+        seccomp.guest_filter.cache_clear()
+
