@@ -56,9 +56,12 @@ def _shell(args: argparse.Namespace) -> int:
     if record is None:
         print(f"pytest-smolvm shell: no guest named {args.name!r} (see 'pytest-smolvm ls')", file=sys.stderr)
         return 2
+    if record.backend == "smol":
+        from pytest_smolvm.backends.smol_shell import shell
+
+        return shell(record.data, args.command)
     if record.backend != "namespace":
-        print(f"pytest-smolvm shell: {args.name} runs on {record.backend}; use its own tooling "
-              f"(for smol: smolvm machine exec --name {args.name} -- /bin/sh)", file=sys.stderr)
+        print(f"pytest-smolvm shell: {args.name} runs on {record.backend}; use its own tooling", file=sys.stderr)
         return 2
     pid = str(record.data.get("pid", ""))
     command = args.command or ["/bin/sh"]

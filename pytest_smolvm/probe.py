@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_smolvm.paths import cache_dir
+from pytest_smolvm.procs import process_start_time
+from pytest_smolvm.smol_sdk import remove_fork_lock, vm_data_dir
 
 DEFAULT_TIMEOUT = 20.0
 TIMEOUT_ENV = "PYTEST_SMOLVM_PROBE_TIMEOUT"
@@ -270,21 +272,6 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def vm_data_dir(name: str) -> Path:
-    """Where the local engine keeps a machine's disks and logs ("hash-derived, not name-derived")."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "smolvm" / "vms" / hashlib.sha256(name.encode()).hexdigest()[:16]
-
-
-def remove_fork_lock(name: str) -> None:
-    """Remove the lock file the engine leaves behind for every name it deleted.
-
-    Names here are unique per machine, so once the machine is gone nobody can want its lock.
-    """
-    with contextlib.suppress(OSError):
-        (vm_data_dir(name).parent / f".{name}.fork-operation.lock").unlink()
-
-
 def _last_boot_message(name: str) -> str:
     for log in ("agent-startup-error.log", "agent-console.log"):
         try:
@@ -316,7 +303,8 @@ def _child_boot(name: str, timeout: float) -> dict[str, Any]:
     if not available:
         return {"ok": False, "code": code or "UNAVAILABLE", "message": reason or "local engine unavailable"}
     local = ConnectOptions(target="local")
-    labels = {"pytest-smolvm": "1", "role": "probe", "owner_pid": str(os.getpid())}
+    labels = {"pytest-smolvm": "1", "role": "probe", "owner_pid": str(os.getpid()),
+              "owner_start": str(process_start_time(os.getpid()))}
     # The shape tests use: a persistent branchable source, and a branch of it that runs a command.
     config = MachineConfig(name=name, resources=ResourceSpec(cpus=1, memory_mb=512, network=False),
                            labels=labels, branchable=True, persistent=True, ready_timeout_seconds=timeout)

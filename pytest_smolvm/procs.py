@@ -72,3 +72,19 @@ def wait_gone(pid: int, timeout: float) -> bool:
     finally:
         if pidfd >= 0:
             os.close(pidfd)
+
+
+def host_identity() -> str:
+    """This host (and boot): pids in labels mean something only where this matches.
+
+    The hostname tells containers sharing a kernel apart; the boot id tells a rebooted host
+    (whose pids start over) from the one that wrote the label.
+    """
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()[:40]}-{boot}"

@@ -25,7 +25,6 @@ from typing import IO, Any, ClassVar
 from pytest_smolvm import cgroups, seccomp
 from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
 from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
-from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.paths import state_dir
@@ -103,9 +102,6 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-
-
-_BoundedBuffer = BoundedBuffer  # the smol backend's name for it
 
 
 class NamespaceGuest:

@@ -3,6 +3,9 @@
 Each backend instance lives for the session (a smol source boots once), with the baseline
 cache shared by the whole session and each test's state dir private to that test. A backend
 that cannot run here is skipped with the probe's exact reason (see it with ``-rs``).
+
+``smol-cloud`` is the smol backend on its cloud target, pointed at the loopback smol cloud
+(``tests/smolcloud``): the real SDK and the real backend code, on any Linux host.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import pytest
 from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
 from pytest_smolvm.baseline import Baseline, resolve
 from pytest_smolvm.vm import VM
+from tests.leaks import leftovers
+from tests.smolcloud.harness import LoopbackCloud
 
-BACKENDS = ("namespace", "smol")
+BACKENDS = ("namespace", "smol", "smol-cloud")
 RUN_ID = uuid.uuid4().hex[:12]
 
 
@@ -42,27 +47,66 @@ def baseline(session_env: None) -> Baseline:
     return resolve(None, Path.cwd())
 
 
+# A loopback smol cloud the caller started (a test that runs this suite and then checks the
+# server): read before session_env clears the token. Only a loopback URL is ever taken.
+EXTERNAL_CLOUD = (os.environ.get("SMOL_CLOUD_URL", ""), os.environ.get("SMOL_CLOUD_TOKEN", ""))
+
+
+@pytest.fixture(scope="session")
+def loopback_cloud(session_env: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
+    """The loopback smol cloud for this session; it must hold nothing once the backend closed."""
+    url, token = EXTERNAL_CLOUD
+    if url.startswith("http://127.0.0.1:") and token:
+        yield LoopbackCloud(attach=url, token=token)
+        return
+    cloud = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
+    try:
+        yield cloud
+    finally:
+        status, err = cloud.stop()
+        assert status == 0, f"smolcloud exited {status}: {err}"
+        assert cloud.state_dir is not None and leftovers(cloud.state_dir) == {}
+
+
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baseline) -> Iterator[Backend]:
-    cls = backend_class(request.param)
-    verdict = cls.probe()
-    if not verdict.available:
-        pytest.skip(f"{request.param} backend unavailable: {verdict.reason}")
+    name = request.param
     instance: Backend
-    if request.param == "smol":
-        from pytest_smolvm.backends.smol import SmolBackend
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "smol-cloud":
+            cloud: LoopbackCloud = request.getfixturevalue("loopback_cloud")
+            for key, value in cloud.env().items():
+                mp.setenv(key, value)
+            baseline = Baseline("alpine", "registry", None, "alpine")
+        else:
+            verdict = backend_class(name).probe()
+            if not verdict.available:
+                pytest.skip(f"{name} backend unavailable: {verdict.reason}")
+        target = "cloud" if name == "smol-cloud" else "local"
+        if name.startswith("smol"):
+            from pytest_smolvm.backends.smol import SmolBackend
 
-        instance = SmolBackend(BackendOptions(target="local", labels={"run": RUN_ID, "worker": "conformance"}))
-    else:
-        instance = cls()
-    instance.prepare_run(baseline)
-    yield instance
-    instance.close()
-    if request.param == "smol":
-        from pytest_smolvm.backends.smol import list_owned
+            instance = SmolBackend(BackendOptions(target=target, labels={"run": RUN_ID, "worker": "conformance"}))
+        else:
+            instance = backend_class(name)()
+        instance.prepare_run(baseline)
+        yield instance
+        instance.close()
+        if name.startswith("smol"):
+            from pytest_smolvm.backends.smol import list_owned
 
-        left = [m.name for m in list_owned({"pytest-smolvm": "1", "run": RUN_ID})]
-        assert left == [], f"smol machines outlived the backend's close(): {left}"
+            left = [m.name for m in list_owned({"pytest-smolvm": "1", "run": RUN_ID}, target=target)]
+            assert left == [], f"smol machines outlived the backend's close(): {left}"
+        if name == "smol-cloud":
+            left_on_server = cloud.wait_for_no_machines(token=cloud.token, labels={"run": RUN_ID})
+            assert left_on_server == [], "the loopback cloud still holds this session's machines"
+
+
+@pytest.fixture(scope="session")
+def backend_baseline(backend: Backend, baseline: Baseline) -> Baseline:
+    """The baseline guests of ``backend`` are made from (the cloud boots a registry image)."""
+    target = getattr(backend, "target", "local")
+    return Baseline("alpine", "registry", None, "alpine") if target == "cloud" else baseline
 
 
 @pytest.fixture
@@ -78,14 +122,14 @@ MakeGuest = Callable[..., tuple[VM, Guest]]
 
 
 @pytest.fixture
-def make_guest(backend: Backend, baseline: Baseline, guest_state: Path) -> Iterator[MakeGuest]:
+def make_guest(backend: Backend, backend_baseline: Baseline, guest_state: Path) -> Iterator[MakeGuest]:
     """``make_guest(**spec) -> (VM, Guest)``; every guest made is destroyed at teardown."""
     made: list[Guest] = []
 
     def make(**overrides: object) -> tuple[VM, Guest]:
         name = f"pytest-smolvm-conf-{uuid.uuid4().hex[:12]}"
         labels = {"pytest-smolvm": "1", "run": RUN_ID, "worker": "conformance", "owner_pid": str(os.getpid())}
-        spec = VMSpec(name=name, baseline=baseline, labels=labels, **overrides)  # type: ignore[arg-type]
+        spec = VMSpec(name=name, baseline=backend_baseline, labels=labels, **overrides)  # type: ignore[arg-type]
         guest = backend.create(spec)
         made.append(guest)
         return VM(guest, backend=backend.name, isolation=backend.isolation), guest

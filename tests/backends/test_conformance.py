@@ -283,7 +283,7 @@ def test_destroy_leaves_nothing(make_guest: MakeGuest, backend: Backend) -> None
     if backend.name == "namespace":
         _check_namespace_destroy(guest)
     elif backend.name == "smol":
-        _check_smol_destroy(guest)
+        _check_smol_destroy(guest, getattr(backend, "target", "local"))
     guest.destroy()  # a second destroy is a no-op, never an error
     with pytest.raises(GuestError):
         vm.exec("true")
@@ -301,17 +301,21 @@ def _check_namespace_destroy(guest: Guest) -> None:
     assert [d for d in cgroup_dirs if os.path.exists(d)] == [], "cgroup dirs survived destroy"
 
 
-def _check_smol_destroy(guest: Guest) -> None:
+def _check_smol_destroy(guest: Guest, target: str) -> None:
     from pytest_smolvm.backends.smol import list_owned
-    from pytest_smolvm.probe import vm_data_dir
+    from pytest_smolvm.smol_sdk import vm_data_dir
+
+    # list_owned names a cloud machine by its id (what delete takes), a local one by name
+    me = str(guest.registry_data()["id"] if target == "cloud" else guest.name)
 
     def names() -> set[str]:
-        return {m.name for m in list_owned({"pytest-smolvm": "1"}, target="local")}
+        return {m.name for m in list_owned({"pytest-smolvm": "1"}, target=target)}
 
-    assert guest.name in names()
+    assert me in names()
     guest.destroy()
-    assert guest.name not in names(), "the machine is still listed after destroy"
-    assert not vm_data_dir(guest.name).exists(), "the machine's data dir survived destroy"
+    assert me not in names(), "the machine is still listed after destroy"
+    if target == "local":
+        assert not vm_data_dir(guest.name).exists(), "the machine's data dir survived destroy"
     assert isinstance(guest.logs(), str)  # captured before the delete, readable after
 
 
@@ -360,7 +364,7 @@ def test_cloud_key_is_found_in_the_cli_config(monkeypatch: pytest.MonkeyPatch, t
 def test_deleting_a_machine_that_never_existed_is_not_an_error() -> None:
     pytest.importorskip("smol")
     from pytest_smolvm.backends.smol import destroy_recorded, list_owned
-    from pytest_smolvm.probe import vm_data_dir
+    from pytest_smolvm.smol_sdk import vm_data_dir
 
     name = f"pytest-smolvm-never-{uuid.uuid4().hex[:12]}"
     destroy_recorded({"name": name, "target": "local"})

@@ -1,0 +1,62 @@
+"""Failure injection: make the Nth call of an operation fail the way the real service can.
+
+``--fail create:2:503`` makes the second create answer 503 (retryable, as ``_retryable_status``
+says of 408/429/502/503/504, transport.py:1929-1930); ``--fail branch:1:429:1`` adds a
+``retry-after: 1`` header. Counts are per server, across every token.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from tests.smolcloud import wire
+
+OPERATIONS = ("create", "start", "branch", "exec", "delete", "list")
+RETRYABLE = frozenset({408, 429, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Fault:
+    operation: str
+    nth: int
+    status: int
+    retry_after: int | None = None
+
+
+def parse_fault(text: str) -> Fault:
+    """``OP:N:STATUS[:RETRY_AFTER]``; raises ValueError with a one-line reason."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in OPERATIONS:
+        raise ValueError(f"--fail {text}: expected OP:N:STATUS[:RETRY_AFTER] with OP one of "
+                         f"{', '.join(OPERATIONS)}")
+    try:
+        numbers = [int(p) for p in parts[1:]]
+    except ValueError:
+        raise ValueError(f"--fail {text}: N, STATUS and RETRY_AFTER must be whole numbers") from None
+    if numbers[0] < 1 or not 400 <= numbers[1] <= 599:
+        raise ValueError(f"--fail {text}: N must be >= 1 and STATUS an HTTP error status")
+    return Fault(parts[0], numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else None)
+
+
+class Faults:
+    def __init__(self, faults: list[Fault]) -> None:
+        self._faults = faults
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.fired: list[Fault] = []
+
+    def check(self, operation: str) -> None:
+        with self._lock:
+            count = self._counts[operation] = self._counts.get(operation, 0) + 1
+            hit = next((f for f in self._faults if f.operation == operation and f.nth == count), None)
+            if hit is not None:
+                self.fired.append(hit)
+        if hit is not None:
+            raise wire.ApiError(hit.status, "injected_failure",
+                                f"injected failure of {operation} call {count} (--fail)",
+                                retryable=hit.status in RETRYABLE, retry_after=hit.retry_after)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

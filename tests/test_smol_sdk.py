@@ -1,0 +1,58 @@
+"""What the smol backend relies on beyond the SDK's public API still holds in the installed SDK.
+
+When this fails after an SDK upgrade: re-read the SDK source named in pytest_smolvm/smol_sdk.py,
+update that module (and SDK_VERSION_READ), and the loopback cloud's shapes (tests/smolcloud/wire.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pytest_smolvm import smol_sdk
+from pytest_smolvm.backends.smol import owner_alive
+from pytest_smolvm.procs import process_start_time
+
+pytest.importorskip("smol")
+
+
+def test_private_sdk_uses_still_hold() -> None:
+    assert smol_sdk.private_api_problems() == []
+
+
+def test_the_loopback_cloud_was_read_from_the_same_sdk() -> None:
+    from tests.smolcloud import wire
+
+    assert wire.SDK_VERSION == smol_sdk.SDK_VERSION_READ == smol_sdk.installed_version()
+
+
+def test_a_changed_private_api_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from smol import Machine
+
+    monkeypatch.setattr(smol_sdk, "SDK_VERSION_READ", "0.0.1")
+    monkeypatch.delattr(Machine, "_exec_cancellable")
+    problems = smol_sdk.private_api_problems()
+    assert any("0.0.1" in p for p in problems) and any("_exec_cancellable" in p for p in problems)
+
+
+def test_exec_cancellable_is_none_on_the_cloud_shape() -> None:
+    class CloudLike:  # a Machine whose transport has no canceller: what the cloud gives
+        def _exec_cancellable(self, command: list[str], opts: object) -> tuple[None, None]:
+            return None, None
+
+    assert smol_sdk.exec_cancellable(CloudLike(), ["true"], object()) == (None, None)  # type: ignore[arg-type]
+
+
+def test_owner_alive_needs_the_same_process_not_just_the_pid() -> None:
+    me = os.getpid()
+    assert owner_alive({"owner_pid": str(me), "owner_start": str(process_start_time(me))})
+    assert not owner_alive({"owner_pid": str(me), "owner_start": "1"})  # a reused pid
+    assert not owner_alive({"owner_pid": "0"}) and not owner_alive({"owner_pid": "x"})
+    # a boot probe labelled without a start time: alive while its pid is
+    assert owner_alive({"owner_pid": str(me)})
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert not owner_alive({"owner_pid": gone})
