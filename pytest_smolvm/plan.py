@@ -8,7 +8,7 @@ that has the plugin installed but no guest test pays for nothing.
   baseline, reaps what dead runs left, and calls ``Backend.prepare_run`` on the backend
   instance it owns for the whole run (the smol backend's shared source lives there, so it
   outlives every worker). It also makes machines on workers' behalf (:meth:`share_source`).
-- Under xdist, :class:`PlanService` serves the planner to workers over a loopback socket whose
+- Under xdist, ``handover.PlanService`` serves the planner to workers over a loopback socket whose
   address and secret reach them through ``workerinput``; a worker's :class:`RemotePlanner` asks
   for the plan the first time one of its tests wants a guest. Workers never decide anything
   themselves, so one run never mixes backends or baselines.
@@ -17,11 +17,8 @@ that has the plugin installed but no guest test pays for nothing.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
-import secrets
 import socket
-import socketserver
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,8 +32,6 @@ from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.oci import pin_registry_image
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.settings import Settings
-
-MAX_REQUEST = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -174,50 +169,19 @@ def _close_quietly(backend: Backend) -> list[str]:
 # --------------------------------------------------------------------------- xdist hand-over
 
 
-class PlanService:
-    """Serves the controller's planner to its workers on 127.0.0.1, from a daemon thread."""
-
-    def __init__(self, planner: Planner) -> None:
-        self.planner = planner
-        self.secret = secrets.token_hex(16)
-        service = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                service.answer(self.rfile, self.wfile)
-
-        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="smolvm-plan-service",
-                                        daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"{host!s}:{port}:{self.secret}"
-
-    def answer(self, rfile: Any, wfile: Any) -> None:
-        try:
-            request = json.loads(rfile.readline(MAX_REQUEST))
-            if not hmac.compare_digest(str(request.get("secret", "")), self.secret):
-                reply: dict[str, Any] = {"error": "wrong secret", "kind": "provision"}
-            elif request.get("op") == "plan":
-                reply = {"plan": self.planner.plan().to_json()}
-            elif request.get("op") == "share_source":
-                reply = {"name": self.planner.share_source(spec_from_json(request["spec"]))}
-            else:
-                reply = {"error": f"unknown request {request.get('op')!r}", "kind": "provision"}
-        except UsageError as exc:
-            reply = {"error": str(exc), "kind": "usage"}
-        except Exception as exc:  # the worker shows it; the controller must keep serving
-            reply = {"error": str(exc) if isinstance(exc, ProvisionError) else f"{type(exc).__name__}: {exc}",
-                     "kind": "provision"}
-        wfile.write(json.dumps(reply).encode() + b"\n")
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+def answer(planner: Planner, request: dict[str, Any]) -> dict[str, Any]:
+    """The controller's reply to a worker's request (see handover.py for the transport)."""
+    try:
+        if request.get("op") == "plan":
+            return {"plan": planner.plan().to_json()}
+        if request.get("op") == "share_source":
+            return {"name": planner.share_source(spec_from_json(request["spec"]))}
+        return {"error": f"unknown request {request.get('op')!r}", "kind": "provision"}
+    except UsageError as exc:
+        return {"error": str(exc), "kind": "usage"}
+    except Exception as exc:  # the worker shows it; the controller must keep serving
+        return {"error": str(exc) if isinstance(exc, ProvisionError) else f"{type(exc).__name__}: {exc}",
+                "kind": "provision"}
 
 
 class RemotePlanner:
@@ -238,6 +202,9 @@ class RemotePlanner:
             if self._plan is None:
                 self._plan = RunPlan.from_json(self._ask({"op": "plan"})["plan"])
             return self._plan
+
+    def close(self) -> list[str]:
+        return []  # the controller owns everything run-wide
 
     def share_source(self, spec: VMSpec) -> str:
         return str(self._ask({"op": "share_source", "spec": spec_to_json(spec)})["name"])

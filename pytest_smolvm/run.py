@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from pytest_smolvm.settings import Settings
 
 if TYPE_CHECKING:
-    from pytest_smolvm.plan import Planner, PlanService, RemotePlanner, RunPlan
+    from pytest_smolvm.handover import PlanService
+    from pytest_smolvm.plan import Planner, RemotePlanner, RunPlan
     from pytest_smolvm.pool import GuestPool
 
 
@@ -54,14 +55,19 @@ class SmolRun:
 
     def service_address(self) -> str:
         """The controller's plan service, started on the first worker's configuration (cheap:
-        a loopback socket and a thread; the plan itself is still made only when asked for)."""
-        from pytest_smolvm.plan import Planner, PlanService
+        a loopback socket and a thread; the planner and the plan are made when a worker asks)."""
+        from pytest_smolvm.handover import PlanService
 
-        planner = self.planner
-        assert isinstance(planner, Planner)
+        def answer(request: dict[str, Any]) -> dict[str, Any]:
+            from pytest_smolvm.plan import Planner, answer
+
+            planner = self.planner
+            assert isinstance(planner, Planner)
+            return answer(planner, request)
+
         with self._lock:
             if self._service is None:
-                self._service = PlanService(planner)
+                self._service = PlanService(answer)
             return self._service.address
 
     @property
@@ -97,12 +103,10 @@ class SmolRun:
     def close(self) -> list[str]:
         """End of this process's part: its guests, then (in the owner) the run's backend."""
         problems = self.close_pool()
-        from pytest_smolvm.plan import Planner
-
         if self._service is not None:
             self._service.close()
             self._service = None
-        if isinstance(self._planner, Planner):
+        if self._planner is not None:
             problems += self._planner.close()
         for sig, handler in self._signals.items():
             signal.signal(sig, handler)
