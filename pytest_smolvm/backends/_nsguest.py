@@ -86,6 +86,8 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # beyond the guest's namespaces (modules, raw I/O, mounts, ptrace, time) is gone.
 GUEST_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31)
 
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")  # a guest's /dev, as Docker's
+
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 MAX_MESSAGE = 1 << 20
 SIGNAL_EXIT_BASE = 128
@@ -206,10 +208,18 @@ def _mount_root(req: dict[str, Any]) -> str:
     dev = os.path.join(root, "dev")
     os.makedirs(dev, exist_ok=True)
     _mount("smolvm-dev", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=1m")
-    for node in ("null", "zero", "full", "random", "urandom", "tty"):
+    for node in DEVICES:
         target = os.path.join(dev, node)
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))  # a bind-mount target
-        _mount(f"/dev/{node}", target, None, MS_BIND, None)
+        host = os.stat(f"/dev/{node}")
+        if req["userns"]:
+            # No CAP_MKNOD here: bind the host's node. The guest's root is not the host's, so
+            # it cannot chmod, chown or touch that host inode through the bind.
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))  # a bind-mount target
+            _mount(f"/dev/{node}", target, None, MS_BIND, None)
+        else:
+            # The guest's own inode, as runc makes it: through a bind of the host's node the
+            # guest's root could chmod or chown the host's /dev/null. Also cheaper than a mount.
+            os.mknod(target, stat.S_IMODE(host.st_mode) | stat.S_IFCHR, host.st_rdev)
     for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                        ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
                        ("ptmx", "pts/ptmx")):
@@ -243,7 +253,7 @@ def _enter_root(root: str, req: dict[str, Any]) -> None:
         path = os.path.join(proc, sub)
         if os.path.exists(path):
             try:
-                _mount("/dev/null", path, None, MS_BIND, None)
+                _mount(os.path.join(root, "dev", "null"), path, None, MS_BIND, None)  # the guest's own
             except OSError:
                 if not req["userns"]:
                     raise
@@ -273,13 +283,19 @@ def _enter_root(root: str, req: dict[str, Any]) -> None:
     os.chdir("/")
 
 
-def _drop_capabilities() -> None:
+def _last_capability() -> int:
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
-            last = int(f.read())
+            return int(f.read())
     except OSError:
-        last = CAP_LAST_CAP_FALLBACK
-    for cap in range(last + 1):
+        return CAP_LAST_CAP_FALLBACK
+
+
+LAST_CAP = _last_capability()  # read once, while the host's /proc is still ours
+
+
+def _drop_capabilities() -> None:
+    for cap in range(LAST_CAP + 1):
         if cap not in GUEST_CAPABILITIES:
             _prctl(PR_CAPBSET_DROP, cap)
     mask = sum(1 << c for c in GUEST_CAPABILITIES)
@@ -754,18 +770,24 @@ def _close_all_but(keep: set[int]) -> None:
 
 def _join_cgroups(procs_files: list[str]) -> None:
     # os.open/os.write, not open(): a file object costs an fstat, an ioctl and two lseeks
-    # more per file, and this runs three times per guest.
-    pid = str(os.getpid()).encode()
+    # more per file, and this runs three times per guest. "0" is the writer itself, whatever
+    # pid namespace it is in.
     for path in procs_files:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, pid)
+            os.write(fd, b"0")
         finally:
             os.close(fd)
 
 
-def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
-    """Runs in the setup process; never returns."""
+def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
+    """Runs in the zygote's child; never returns. The child becomes the guest's init.
+
+    As root the zygote made the pid namespace before forking: this process is already the
+    guest's pid 1, and one fork per guest is all it takes. In a user namespace the pid
+    namespace can only come after the user namespace, so this process makes both and forks
+    the init (two forks; the first process reports the init's pid and exits).
+    """
     try:
         keep = {ctl.fileno(), report_w}
         devnull = os.open("/dev/null", os.O_RDWR)
@@ -775,44 +797,34 @@ def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int)
         _join_cgroups(req["cgroup_procs"])
         # The cgroup namespace starts at the guest's own cgroup (joined just above): the guest
         # sees "/" in /proc/self/cgroup and can never name, let alone kill, a host cgroup.
-        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWCGROUP
+        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP
         if not req["network"]:
             flags |= CLONE_NEWNET
         uid, gid = os.getuid(), os.getgid()
         if req["userns"]:
-            flags |= CLONE_NEWUSER
+            flags |= CLONE_NEWUSER | CLONE_NEWPID
         _unshare(flags)
         if req["userns"]:
             _write_id_map(uid, gid)  # before the next line: it makes /proc/self/* root's
-        # Not dumpable: no guest process may ptrace this process or the init it forks, read
-        # their memory or /proc/PID/environ, or take their sockets with pidfd_getfd. Inherited
-        # by every fork (init, per-request children); execve of a guest command resets it.
+        # Not dumpable: no guest process may ptrace this process or the init, read their memory
+        # or /proc/PID/environ, or take their sockets with pidfd_getfd. Inherited by every fork
+        # (the init, per-request children); execve of a guest command resets it.
         _check(_prctl(PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
-        bpf = bytes.fromhex(req["seccomp"]) if req.get("seccomp") else b""
         root = _mount_root(req)
+        if not req["userns"]:
+            _become_init(root, req, ctl, report_w)
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
             os.close(report_w)
-            try:
-                _enter_root(root, req)
-                _set_rlimits(req)
-                if bpf:
-                    _load_seccomp(bpf)  # after the last mount; before capabilities go
-                _drop_capabilities()
-                os.write(ready_w, b"ok")
-            except BaseException as exc:
-                os.write(ready_w, f"guest init failed: {exc}".encode(errors="replace")[:4000])
-                os._exit(1)
-            os.close(ready_w)
-            Init(ctl).serve()
-            os._exit(0)
+            _become_init(root, req, ctl, ready_w)
         os.close(ready_w)
         status = os.read(ready_r, 4096).decode(errors="replace")
-        if status != "ok":
-            raise RuntimeError(status or "guest init exited during setup")
-        os.write(report_w, json.dumps({"pid": pid}).encode())
+        reply = json.loads(status) if status.startswith("{") else {"error": status or "guest init exited during setup"}
+        if "error" not in reply:
+            reply["pid"] = pid  # as the zygote sees it: this process is not in the guest's pid namespace
+        os.write(report_w, json.dumps(reply).encode())
         os._exit(0)
     except BaseException as exc:
         detail = str(exc) if isinstance(exc, (OSError, RuntimeError)) else traceback.format_exc()
@@ -820,17 +832,46 @@ def _setup_and_fork_init(req: dict[str, Any], ctl: socket.socket, report_w: int)
         os._exit(1)
 
 
-def _create(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
+    """Finish the guest from inside its pid namespace, say so on ``report_w``, then serve; never returns."""
+    try:
+        _enter_root(root, req)
+        _set_rlimits(req)
+        bpf = bytes.fromhex(req["seccomp"]) if req.get("seccomp") else b""
+        if bpf:
+            _load_seccomp(bpf)  # after the last mount; before capabilities go
+        _drop_capabilities()
+    except BaseException as exc:
+        os.write(report_w, json.dumps({"error": f"guest init failed: {exc}"[:4000]}).encode())
+        os._exit(1)
+    os.write(report_w, json.dumps({"ok": True}).encode())
+    os.close(report_w)
+    Init(ctl).serve()
+    os._exit(0)
+
+
+def _create(req: dict[str, Any], own_pid_ns: int) -> tuple[dict[str, Any], list[int]]:
     host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     report_r, report_w = os.pipe()
-    pid = os.fork()
+    one_fork = not req["userns"]
+    if one_fork:
+        _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
+    try:
+        pid = os.fork()
+    except BaseException:
+        if one_fork:
+            _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
+        raise
     if pid == 0:
         os.close(report_r)
         host_end.close()
-        _setup_and_fork_init(req, guest_end, report_w)
+        _setup_guest(req, guest_end, report_w)
+    if one_fork:
+        # Back to our own pid namespace for children: the next unshare(CLONE_NEWPID) needs it.
+        _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
     os.close(report_w)
     guest_end.close()
-    # Answer as soon as the setup process has reported, without waiting for it to exit:
+    # Answer as soon as the guest has reported, without waiting for a setup process to exit:
     # tearing down its copy of our address space takes ~1 ms here, and the host need not
     # wait for that. The zygote's loop reaps it (_reap_children) like any other child.
     raw = b""
@@ -846,11 +887,13 @@ def _create(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
             except ValueError:
                 continue
     if reply is None:
-        os.waitpid(pid, 0)
         reply = {"error": raw.decode(errors="replace") if raw else "guest setup died without a word"}
     if "error" in reply:
+        os.waitpid(pid, 0)  # it exits right after reporting; then its cgroup can go
         host_end.close()
         return reply, []
+    reply.setdefault("pid", pid)
+    reply.pop("ok", None)
     fd = host_end.detach()
     return reply, [fd]
 
@@ -917,6 +960,7 @@ def zygote(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
     guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     while True:
         _reap_children()
         try:
@@ -937,7 +981,7 @@ def zygote(sock: socket.socket) -> None:
                 # fails here, never with a live guest whose socket nobody holds.
                 janitor = {"name": message["name"], "scratch": message["scratch"], "state": message["state"],
                            "cgroups": [os.path.dirname(p) for p in message["cgroup_procs"]]}
-                reply, out_fds = _create(message)
+                reply, out_fds = _create(message, own_pid_ns)
                 if "pid" in reply:
                     guests[int(reply["pid"])] = janitor
             elif message["op"] == "ping":

@@ -353,6 +353,26 @@ def test_10_no_host_path_reaches_the_guest(vm: VM, security_env: Path, baseline:
     assert leaked == set(), seen
 
 
+# ------------------------------------------------------------------ 11. host device inodes
+
+
+def test_11_guest_root_cannot_touch_the_hosts_device_nodes(vm: VM) -> None:
+    """The guest's /dev nodes and /proc masks must not be the host's inodes.
+
+    Through a bind of the host's /dev/null, the guest's root could chmod or chown it for the
+    whole host. Harmless if it succeeds: the attack only sets an mtime, which nothing reads.
+    """
+    marker = 1_000_000_000  # 2001-09-09: no real /dev/null has this mtime
+    before = {node: os.stat(f"/dev/{node}") for node in ("null", "zero", "full", "random", "urandom", "tty")}
+    vm.exec(f"for f in /dev/null /dev/zero /dev/full /dev/random /dev/urandom /dev/tty /proc/keys /proc/kcore "
+            f"/proc/timer_list; do touch -m -d @{marker} $f; done")
+    for node, st in before.items():
+        after = os.stat(f"/dev/{node}")
+        assert (after.st_mtime, after.st_mode) == (st.st_mtime, st.st_mode), f"the guest changed the host's /dev/{node}"
+    assert vm.exec("head -c 4 /dev/zero | od -An -tx1").stdout.split() == ["00"] * 4  # still devices
+    assert vm.exec("echo x > /dev/null && cat /proc/keys | wc -c").stdout.strip() == "0"
+
+
 # ------------------------------------------------------------------ boundaries that held
 
 
