@@ -48,7 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
-                      service_address=workerinput[SERVICE_INPUT])
+                      service_address=workerinput[SERVICE_INPUT], workers=int(workerinput.get("workercount", 1)))
     else:
         distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
         run = SmolRun(settings, worker="controller" if distributed else "main")
@@ -217,7 +217,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
                 if keep == "always" or (keep == "failed" and _test_failed(item)):
                     pool.keep(live)
                 else:
-                    pool.destroy(live)
+                    pool.release(live)
             made.clear()
 
 

@@ -28,10 +28,11 @@ SERVICE_INPUT = "smolvm_plan_service"  # workerinput key: the controller's plan 
 
 class SmolRun:
     def __init__(self, settings: Settings, *, run_id: str | None = None, worker: str = "main",
-                 service_address: str | None = None) -> None:
+                 service_address: str | None = None, workers: int = 1) -> None:
         self.settings = settings
         self.run_id = run_id or uuid.uuid4().hex
         self.worker = worker
+        self.workers = workers  # xdist workers in this run (1 when serial)
         self._service_address = service_address  # set in xdist workers
         self._planner: Planner | RemotePlanner | None = None
         self._service: PlanService | None = None
@@ -84,7 +85,8 @@ class SmolRun:
                 from pytest_smolvm.pool import GuestPool
 
                 self._signals = _signals_to_keyboard_interrupt()
-                self._pool = GuestPool(self.settings, planner, run_id=self.run_id, worker=self.worker)
+                self._pool = GuestPool(self.settings, planner, run_id=self.run_id, worker=self.worker,
+                                       workers=self.workers)
             return self._pool
 
     @property

@@ -113,7 +113,7 @@ def test_example_eval_suite_writes_one_line_per_episode(pytester: pytest.Pyteste
         assert ln["seed"] == episode_seed(0, ln["episode"]) and ln["episodes"] == 4
         assert ln["outcome"] == "passed" and 0 <= ln["reward"] <= 1 and ln["info"]["task"] == ln["case"]
         assert set(ln["durations"]) == {"setup", "call", "teardown", "provision", "destroy"}
-        assert ln["durations"]["provision"] > 0 and ln["durations"]["destroy"] > 0
+        assert ln["durations"]["provision"] > 0 and ln["durations"]["destroy"] >= 0  # destroy: handed off
         assert len(ln["vms"]) == 1 and ln["vms"][0].startswith("smol-")
         assert ln["backend"] in ("namespace", "smol") and ln["baseline_digest"].startswith("sha256:")
         assert ln["worker"] in ("gw0", "gw1")

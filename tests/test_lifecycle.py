@@ -141,7 +141,8 @@ def test_registry_records_every_live_guest(pytester: pytest.Pytester, smol_state
             other = smol_vm_factory()
             records = {{p.stem: json.loads(p.read_text())
                        for p in Path({str(smol_state)!r}, "registry").glob("*.json")}}
-            assert set(records) == {{smol_vm.name, other.name}}
+            ahead = {{name for name, r in records.items() if r["test_id"] == "(made ahead for the next test)"}}
+            assert set(records) - ahead == {{smol_vm.name, other.name}}
             record = records[smol_vm.name]
             assert record["owner_pid"] == os.getpid()
             assert record["worker"] == "main"

@@ -174,6 +174,8 @@ class Guest(Protocol):
 class Backend(Protocol):
     name: ClassVar[str]
     isolation: ClassVar[str]  # "microvm" or "namespace": shown to users wherever it is used
+    # An idle guest costs nothing (no bill, no reserved memory): the pool may make one ahead.
+    idle_guests_are_free: ClassVar[bool]
 
     def __init__(self, options: BackendOptions | None = None) -> None: ...
 

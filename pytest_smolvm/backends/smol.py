@@ -72,6 +72,7 @@ class SmolBackend:
 
     name: ClassVar[str] = "smol"
     isolation: ClassVar[str] = "microvm"
+    idle_guests_are_free: ClassVar[bool] = False  # a cloud machine is billed; a local one holds its memory
 
     def __init__(self, options: BackendOptions | None = None, *,
                  ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = DEFAULT_CPUS,

@@ -1,0 +1,126 @@
+"""Work off the test's path: destroys handed to a background thread, and the next guest made ahead.
+
+Run as users run: pytester subprocesses on the namespace backend, with the smol_state fixture
+checking that nothing (guest, mount, scratch dir, cgroup, record) is left after each run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.pool import READY_TEST_ID
+
+CORES = len(os.sched_getaffinity(0))
+
+RECORDS = """
+import json, time
+from pathlib import Path
+
+STATE = {state!r}
+READY = {ready!r}
+
+
+def records():
+    found = {{}}
+    for path in Path(STATE, "registry").glob("*.json"):
+        try:
+            found[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass  # being replaced right now
+    return found
+
+
+def made_ahead(wait):
+    deadline = time.monotonic() + wait
+    while True:
+        ready = sorted(name for name, r in records().items() if r["test_id"] == READY)
+        if ready or time.monotonic() > deadline:
+            return ready
+        time.sleep(0.02)
+"""
+
+
+@pytest.fixture
+def cores(request: pytest.FixtureRequest) -> Iterator[int]:
+    """This process (and so the pytest it starts) on ``request.param`` CPUs."""
+    before = os.sched_getaffinity(0)
+    if len(before) < request.param:
+        pytest.skip(f"needs {request.param} CPUs")
+    os.sched_setaffinity(0, sorted(before)[:request.param])
+    try:
+        yield request.param
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@pytest.mark.skipif(CORES < 2, reason="a guest is made ahead only where the test process has a core to spare")
+def test_the_next_guest_is_made_ahead_fresh_and_taken_by_the_next_test(pytester: pytest.Pytester,
+                                                                       smol_state: Path) -> None:
+    pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
+import pytest
+
+seen = {}
+
+
+def test_a(smol_vm):
+    smol_vm.exec("echo dirty > /root/mark; sleep 1000 >/dev/null 2>&1 &")
+    [seen["ahead"]] = made_ahead(wait=10)
+    assert seen["ahead"] != smol_vm.name
+
+
+def test_b(smol_vm):
+    assert smol_vm.name == seen["ahead"]
+    assert records()[smol_vm.name]["test_id"].endswith("::test_b")  # taken: no longer "made ahead"
+    assert smol_vm.exec("test -e /root/mark").exit_code == 1
+    assert "sleep 1000" not in smol_vm.exec("ps -o args").stdout
+    assert smol_vm.exec("hostname").stdout.strip() == smol_vm.name
+    seen["b"] = smol_vm.name
+
+
+@pytest.mark.smol(env={"OTHER": "spec"})
+def test_c_another_spec_does_not_get_a_guest_made_for_the_default(smol_vm):
+    assert smol_vm.name not in made_ahead(wait=0) and smol_vm.exec("echo $OTHER").stdout == "spec\\n"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=3)
+
+
+@pytest.mark.parametrize(("cores", "args"), [(1, []), (2, ["-n", "2"])], indirect=["cores"],
+                         ids=["serial-on-one-core", "two-workers-on-two-cores"])
+def test_nothing_is_made_ahead_without_a_spare_core(pytester: pytest.Pytester, smol_state: Path, cores: int,
+                                                    args: list[str]) -> None:
+    pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
+import pytest
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_a(smol_vm, i):
+    assert made_ahead(wait=1) == []
+    """)
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+
+
+def test_nothing_is_made_ahead_under_a_vm_cap(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
+def test_a(smol_vm):
+    assert made_ahead(wait=1) == []
+    """)
+    pytester.runpytest_subprocess("--smol-max-vms=4").assert_outcomes(passed=1)
+
+
+def test_a_failing_run_leaves_nothing_made_ahead_or_handed_off(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # smol_state checks after the run: no record, scratch dir, mount or guest process is left.
+    pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
+import pytest
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_fails(smol_vm, i):
+    smol_vm.exec("sleep 1000 >/dev/null 2>&1 &")
+    assert i % 2
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=3, failed=3)
