@@ -1,9 +1,12 @@
-"""The kernel floor: what a namespace guest cannot cost less than, with no plugin and no helper.
+"""The kernel floor: what a confined namespace guest cannot cost less than, with no plugin and no helper.
 
-Run as ``python -I -S _floor.py LOWER WORKDIR N``: a small interpreter, like the backend's own
-zygote. Each iteration: fork; unshare mount/pid/net/uts/ipc; a private tmpfs and an overlay of
-LOWER; one process spawned as pid 1 of the new pid namespace; wait; the kernel tears it all
-down when the forked process exits. Prints one JSON list: seconds per iteration.
+Run as ``python -I -S _floor.py LOWER WORKDIR N BPF``: a small interpreter, like the backend's
+own zygote. Each iteration: the guest's cgroups with their limits (the backend's own
+``cgroups.create``: the same mkdirs and writes); fork; join them; unshare
+mount/pid/net/uts/ipc/cgroup; a private tmpfs and an overlay of LOWER; load the seccomp filter
+in BPF (the file the backend would send, compiled by libseccomp); one process spawned as pid 1
+of the new pid namespace; wait; the kernel tears the namespaces down when the forked process
+exits; remove the cgroups. Prints one JSON list: seconds per iteration.
 """
 
 from __future__ import annotations
@@ -14,8 +17,16 @@ import os
 import sys
 import time
 
-CLONE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000  # NS UTS IPC PID NET
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pytest_smolvm import cgroups  # noqa: E402  (standard library only, as the zygote)
+
+CLONE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000 | 0x02000000  # NS UTS IPC PID NET CGROUP
 MS_REC_PRIVATE = 0x4000 | 0x40000
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
@@ -26,11 +37,15 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def one(lower: str, workdir: str) -> None:
+def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes) -> None:
     os.mkdir(workdir)
+    groups = cgroups.create(limits, os.path.basename(workdir), cpus=None, memory_mb=None)
     pid = os.fork()
     if pid == 0:
         try:
+            for group in groups:
+                with open(os.path.join(group, "cgroup.procs"), "wb", buffering=0) as f:
+                    f.write(b"0")
             _check(libc.unshare(ctypes.c_int(CLONE_FLAGS)), "unshare")
             _check(libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC_PRIVATE), None), "mount --make-rprivate")
             _check(libc.mount(b"floor", workdir.encode(), b"tmpfs", ctypes.c_ulong(0), b"size=64m"), "tmpfs")
@@ -39,6 +54,11 @@ def one(lower: str, workdir: str) -> None:
             options = f"lowerdir={lower},upperdir={workdir}/upper,workdir={workdir}/work"
             _check(libc.mount(b"floor", f"{workdir}/root".encode(), b"overlay", ctypes.c_ulong(0),
                               options.encode()), "overlay")
+            if bpf:
+                program = ctypes.create_string_buffer(bpf, len(bpf))
+                fprog = SockFprog(len(bpf) // 8, ctypes.addressof(program))
+                _check(libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
+                                  ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp")
             child = os.posix_spawn("/bin/true", ["true"], {})  # pid 1 of the new pid namespace
             os.waitpid(child, 0)
             os._exit(0)
@@ -48,15 +68,20 @@ def one(lower: str, workdir: str) -> None:
     _, status = os.waitpid(pid, 0)
     if status != 0:
         raise SystemExit(f"floor iteration failed (status {status})")
+    for group in groups:
+        cgroups.remove(group)
     os.rmdir(workdir)
 
 
 def main() -> None:
     lower, base, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with open(sys.argv[4], "rb") as f:
+        bpf = f.read()
+    limits = cgroups.detect()
     times = []
     for i in range(count):
         started = time.perf_counter()
-        one(lower, os.path.join(base, f"floor-{os.getpid()}-{i}"))
+        one(lower, os.path.join(base, f"floor-{os.getpid()}-{i}"), limits, bpf)
         times.append(time.perf_counter() - started)
     print(json.dumps(times))
 
