@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pytest_smolvm import cgroups  # noqa: E402  (standard library only, as the zygote)
+from pytest_smolvm import cgroups  # standard library only, as the zygote
 
 CLONE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000 | 0x02000000  # NS UTS IPC PID NET CGROUP
 MS_REC_PRIVATE = 0x4000 | 0x40000
