@@ -105,7 +105,9 @@ class Policy:
     """What a kind of stream may contain and how its members land."""
 
     what: str  # how errors name the operation
-    prefix: str = ""  # every member must be this name or under it ("" for any)
+    # Every member must be this name or under it ("" for any), or be named relative to the
+    # copied tree (".", "./sub"), which puts it under this name.
+    prefix: str = ""
     layer: bool = False  # an image layer: whiteouts, owners, full modes, in-tree links followed
     squash_owner: bool = False
 
@@ -147,6 +149,8 @@ class Extractor:
                 raise UnsafeArchive(f"archive member {raw_name!r} points outside the rootfs")
             raise self._refuse(raw_name, "'..' in its name")
         prefix = self.policy.prefix
+        if prefix and (name == "." or name.startswith("./")):
+            return [prefix, *parts]  # named relative to the copied tree (a guest's own tar)
         if prefix and (not parts or parts[0] != prefix):
             raise self._refuse(raw_name, "unexpected member")
         return parts
