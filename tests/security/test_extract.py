@@ -483,7 +483,8 @@ def test_malformed_streams_are_refused_before_anything_is_held(case: str, dest: 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar to write sparse members")
 @pytest.mark.parametrize("fmt", [["--format=gnu"], ["--format=posix", "--sparse-version=0.0"],
                                  ["--format=posix", "--sparse-version=0.1"],
-                                 ["--format=posix", "--sparse-version=1.0"]], ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
+                                 ["--format=posix", "--sparse-version=1.0"]],
+                         ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
 def test_sparse_members_of_every_format_come_out_whole(fmt: list[str], tmp_path: Path, dest: Path) -> None:
     src = tmp_path / "src" / PAYLOAD
     src.mkdir(parents=True)
