@@ -399,7 +399,8 @@ class Extractor:
                                     f"(the cap) at {member.name!r}; refused")
             self.written += size
             if member.sparse is None:
-                for view in tar.data():
+                whole = tar.small()
+                for view in (whole,) if whole is not None else tar.data():
                     while view:
                         view = view[os.write(fd, view):]
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from pytest_smolvm.errors import GuestError
@@ -52,7 +52,7 @@ class Member:
     gid: int = 0
     sparse: list[tuple[int, int]] | None = None  # (offset, length) segments of a sparse file
     realsize: int = 0  # a sparse file's full size
-    pax: dict[str, str] = field(default_factory=dict)
+    pax: dict[str, str] | None = None  # the pax records that applied, if any
 
 
 class TarReader:
@@ -115,6 +115,20 @@ class TarReader:
         if pad:
             self._take(pad)
 
+    def small(self) -> memoryview | None:
+        """The current member's whole data if it is buffered already (most small files), with its
+        padding skipped; None otherwise, and then :meth:`data` streams it."""
+        n = self._unread
+        end = self._pos + n
+        padded = end + (-n % BLOCK)
+        if padded > len(self._buf):
+            return None
+        view = memoryview(self._buf)[self._pos:end]
+        self.offset += padded - self._pos
+        self._pos = padded
+        self._unread = 0
+        return view
+
     def _skip_data(self) -> None:
         for _ in self.data():
             pass
@@ -125,16 +139,23 @@ class TarReader:
         return self
 
     def __next__(self) -> Member:
-        self._skip_data()
+        if self._unread:
+            self._skip_data()
         pending: dict[str, str] = {}
         sparse_pairs: list[str] = []
         long_name = long_link = None
         while True:
-            if not self._fill(BLOCK):
+            pos = self._pos
+            if pos + BLOCK <= len(self._buf):  # the usual case, without two calls per header
+                block = self._buf[pos:pos + BLOCK]
+                self._pos = pos + BLOCK
+                self.offset += BLOCK
+            elif not self._fill(BLOCK):
                 if self.offset == 0:
                     raise TarFormatError("empty stream: no tar header")
                 raise StopIteration  # ended without the two zero blocks: what was sent is whole
-            block = self._take(BLOCK)
+            else:
+                block = self._take(BLOCK)
             if block == ZERO_BLOCK:
                 raise StopIteration
             _check_sum(block)
@@ -174,7 +195,8 @@ class TarReader:
             name = _text(_field(block[345:500])) + "/" + name
         if long_name is not None:
             name = long_name
-        linkname = long_link if long_link is not None else _text(_field(block[157:257]))
+        linkname = long_link if long_link is not None else (
+            _text(_field(block[157:257])) if typeflag in (b"1", b"2") else "")
         size = _number(block[124:136], "size")
         if size < 0:
             raise TarFormatError(f"{name[:200]!r}: a negative size")
@@ -190,7 +212,7 @@ class TarReader:
         if pax:
             self._apply_pax(member, pax, sparse_pairs)
         self._unread = member.size
-        if member.pax.get("GNU.sparse.major") == "1" and member.pax.get("GNU.sparse.minor") == "0":
+        if pax and pax.get("GNU.sparse.major") == "1" and pax.get("GNU.sparse.minor") == "0":
             self._sparse_map_10(member)
         return member
 
