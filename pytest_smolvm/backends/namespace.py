@@ -196,6 +196,7 @@ class NamespaceGuest:
     def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
                     user: str | None = None) -> None:
         read_fd, write_fd = os.pipe()
+        _grow_pipe(write_fd)
         errors: list[BaseException] = []
 
         def run_producer() -> None:
