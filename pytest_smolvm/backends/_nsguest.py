@@ -729,14 +729,15 @@ def _tar_tree(tar_path: str, path: str) -> int:
         os.fchdir(fd)
     finally:
         os.close(fd)
-    proc = subprocess.Popen([tar_path, "-c", "-f", "-", "."], stdin=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, close_fds=True)
-    assert proc.stderr is not None
-    tail = b""
-    with proc.stderr:
-        for chunk in iter(lambda: proc.stderr.read(1 << 16), b""):  # type: ignore[union-attr]
-            tail = (tail + chunk)[-(1 << 16):]  # a chatty tar must not fill this child's memory
-    code = proc.wait()
+    # Its stderr goes to a memfd, not a pipe: a process the guest's tar leaves behind could
+    # hold a pipe open, and this child would wait for its end forever.
+    err = os.memfd_create("tar-stderr", os.MFD_CLOEXEC)
+    try:
+        code = subprocess.call([tar_path, "-c", "-f", "-", "."], stdin=subprocess.DEVNULL, stderr=err,
+                               close_fds=True)
+        tail = os.pread(err, 1 << 16, max(0, os.fstat(err).st_size - (1 << 16)))
+    finally:
+        os.close(err)
     lines = [line for line in tail.decode(errors="replace").splitlines() if line.strip()]
     if code == 1 and lines and all("file changed as we read it" in line for line in lines):
         return 0  # GNU tar's "some files changed": the archive is complete, as tarfile's would be

@@ -47,6 +47,7 @@ BASE_ENV = {
 MAX_MESSAGE = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 PIPE_SIZE = 1 << 20
+STREAM_BUFFER = 1 << 20
 DESTROY_TIMEOUT = 10.0
 
 
@@ -230,17 +231,21 @@ class NamespaceGuest:
                     user: str | None = None) -> None:
         """Run a file op whose stdout is a stream, and hand that stream to ``consume`` in a thread.
 
-        The guest side writes straight into the pipe ``consume`` reads: no copy through this
-        process's main thread, which would also contend with ``consume`` for the GIL.
+        The guest side writes straight into the socket ``consume`` reads: no copy through this
+        process's main thread, which would also contend with ``consume`` for the GIL. A socket,
+        not a pipe: once the guest side has exited, everything it wrote is queued, and shutting
+        down our end ends the stream there, even if a process the guest left behind (its own
+        ``tar`` is the guest's to replace) still holds the other end.
         """
-        read_fd, write_fd = os.pipe()
-        _grow_pipe(write_fd)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):  # more in flight, fewer wake-ups (capped at net.core.wmem_max)
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
         errors: list[BaseException] = []
         stop = Cancel()
 
         def run_consumer() -> None:
             try:
-                with os.fdopen(read_fd, "rb") as source:
+                with os.fdopen(ours.fileno(), "rb", closefd=False) as source:
                     consume(source)
                     while source.read(1 << 16):
                         pass  # let the guest side finish even if the consumer stopped early
@@ -253,9 +258,12 @@ class NamespaceGuest:
         consumer = threading.Thread(target=run_consumer, daemon=True)
         consumer.start()
         try:
-            self._file_op(message, user=user, stdout_fd=write_fd, cancel=stop)
+            self._file_op(message, user=user, stdout_fd=theirs.detach(), cancel=stop)
         finally:
+            with contextlib.suppress(OSError):
+                ours.shutdown(socket.SHUT_RD)  # the reader gets what is queued, then the end
             consumer.join()
+            ours.close()
         if errors:
             raise errors[0]
         if stop.cancelled:  # only a consumer that failed cancels
