@@ -48,6 +48,7 @@ MAX_NAME = 4096
 MAX_LINK_HOPS = 40
 CHUNK = 1 << 20
 DIR_CACHE = 64  # parent dir fds kept open at once
+FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -140,6 +141,8 @@ class Extractor:
         self.umask = _umask()
         self._dirs: dict[tuple[str, ...], int] = {}  # parent dirs walked, by their parts
         self._stale: list[int] = []
+        self._last_head: str | None = None  # the last checked name's dir part, and its parts
+        self._last_parts: list[str] = []
 
     def close(self) -> None:
         for fd in [*self._dirs.values(), *self._stale]:
@@ -153,6 +156,17 @@ class Extractor:
 
     def _parts(self, raw_name: str) -> list[str]:
         """A member name as path components; anything that could leave the tree is refused."""
+        head, _, base = raw_name.rpartition("/")
+        if head == self._last_head and base not in ("", ".", "..") and len(raw_name) <= MAX_NAME \
+                and "\0" not in base:
+            # The same dir as the last name: every check below depends on the head alone.
+            return [*self._last_parts, base]
+        parts = self._check_parts(raw_name)
+        if len(parts) >= 2 and parts[-1] == base:
+            self._last_head, self._last_parts = head, parts[:-1]
+        return parts
+
+    def _check_parts(self, raw_name: str) -> list[str]:
         if len(raw_name) > MAX_NAME or "\0" in raw_name:
             raise self._refuse(raw_name[:200], "name too long or not a path")
         name = raw_name
@@ -384,12 +398,11 @@ class Extractor:
 
     def _make_file(self, tar: TarReader, parent_fd: int, base: str, name: str, member: Member) -> None:
         mode = self._mode(member)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(base, flags, mode & 0o777, dir_fd=parent_fd)
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
         except FileExistsError:
             self._clear_entry(parent_fd, base, keep_dir=False)
-            fd = os.open(base, flags, mode & 0o777, dir_fd=parent_fd)
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
         try:
             # Counted at the size the member declares, before a byte lands (a sparse file at its
             # full size): the data copied is exactly that many bytes.
@@ -405,7 +418,7 @@ class Extractor:
                         view = view[os.write(fd, view):]
             else:
                 self._write_sparse(tar, fd, member)
-            owner = self._owner(member)
+            owner = self._owner(member) if self.policy.layer else None
             if owner is not None:
                 os.fchown(fd, *owner)
             # open() gave the file mode & ~umask; chmod only what that left out (chown clears setuid).

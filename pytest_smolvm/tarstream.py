@@ -197,13 +197,19 @@ class TarReader:
             name = long_name
         linkname = long_link if long_link is not None else (
             _text(_field(block[157:257])) if typeflag in (b"1", b"2") else "")
-        size = _number(block[124:136], "size")
+        try:  # inline, the usual "0000644\0" fields: a call per field was a tenth of the parse
+            size = int(block[124:136].rstrip(b"\0 "), 8)
+            mode = int(block[100:108].rstrip(b"\0 "), 8)
+            mtime = int(block[136:148].rstrip(b"\0 "), 8)
+        except ValueError:
+            size = _number(block[124:136], "size")
+            mode = _number(block[100:108], "mode")
+            mtime = _number(block[136:148], "mtime")
         if size < 0:
             raise TarFormatError(f"{name[:200]!r}: a negative size")
         if kind == REGULAR and typeflag == b"\0" and name.endswith("/"):
             kind = DIRECTORY  # a v7 directory
-        member = Member(name, kind or REGULAR, _number(block[100:108], "mode"), size,
-                        float(_number(block[136:148], "mtime")), linkname)
+        member = Member(name, kind or REGULAR, mode, size, float(mtime), linkname)
         if self._owners:
             member.uid = _number(block[108:116], "uid")
             member.gid = _number(block[116:124], "gid")
