@@ -33,6 +33,7 @@ from pytest_smolvm.tarstream import (
     CHARDEV,
     DIRECTORY,
     FIFO,
+    RECORD_SIZE,
     REGULAR,
     SYMLINK,
     Member,
@@ -520,8 +521,11 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
     extractor = Extractor(dest, policy, caps)
     try:
         # Long-name, pax and sparse headers: at most a few per member.
-        extractor.run(TarReader(reader, max_meta_headers=3 * caps.max_members,
-                                owners=extractor.owners_used))
+        # Big reads from a pipe or socket (a guest's stream: fewer polls); a record at a time
+        # from a file, so a layer's reader stops where the archive ends: the rest is for the
+        # digest check that follows (a gzip trailer read here would fail as a bad member).
+        extractor.run(TarReader(reader, max_meta_headers=3 * caps.max_members, owners=extractor.owners_used,
+                                read_size=CHUNK if reader.is_pipe else RECORD_SIZE))
     except TarFormatError as exc:
         raise UnsafeArchive(f"{policy.what}: not a readable tar stream: {exc}") from exc
     finally:

@@ -26,6 +26,7 @@ ZERO_BLOCK = bytes(BLOCK)
 MAX_META = 1 << 20  # bytes of one long name, pax header or sparse map: names are capped at 4 KiB anyway
 MAX_SPARSE = 1 << 16  # entries in one sparse map
 READ_SIZE = 1 << 20
+RECORD_SIZE = 20 * BLOCK  # what tar writers pad an archive to
 REGULAR, HARDLINK, SYMLINK, CHARDEV, BLOCKDEV, DIRECTORY, FIFO = "0", "1", "2", "3", "4", "5", "6"
 _REGULAR_TYPES = {b"0": REGULAR, b"\0": REGULAR, b"7": REGULAR, b"1": HARDLINK, b"2": SYMLINK,
                   b"3": CHARDEV, b"4": BLOCKDEV, b"5": DIRECTORY, b"6": FIFO}
@@ -59,8 +60,11 @@ class TarReader:
     """Members of the tar stream ``source`` in order; a member's data must be consumed through
     :meth:`data` (or is skipped) before the next member is read."""
 
-    def __init__(self, source: Source, *, max_meta_headers: int, owners: bool = True) -> None:
+    def __init__(self, source: Source, *, max_meta_headers: int, owners: bool = True,
+                 read_size: int = READ_SIZE) -> None:
         self._source = source
+        self._read_size = read_size
+        self._read_total = 0  # bytes read from the source (some maybe still buffered)
         self._owners = owners  # parse uid and gid (only a layer unpacked as root uses them)
         self._buf = b""
         self._pos = 0
@@ -78,7 +82,7 @@ class TarReader:
             return True
         parts = [self._buf[self._pos:]]
         while have < n:
-            chunk = self._source.read(max(READ_SIZE, n - have))
+            chunk = self._read(n - have)
             if not chunk:
                 if have == 0:
                     self._buf, self._pos = b"", 0
@@ -88,6 +92,15 @@ class TarReader:
             have += len(chunk)
         self._buf, self._pos = b"".join(parts), 0
         return True
+
+    def _read(self, want: int) -> bytes:
+        """At least ``want`` bytes asked of the source, up to the next multiple of the read size
+        from the stream's start: reading a record at a time, this never asks past the record
+        an archive ends in (a decompressor checks its trailer on a read beyond its end)."""
+        end = self._read_total + max(want, 1)
+        chunk = self._source.read(-(-end // self._read_size) * self._read_size - self._read_total)
+        self._read_total += len(chunk)
+        return chunk
 
     def _take(self, n: int) -> bytes:
         if not self._fill(n):
@@ -101,7 +114,7 @@ class TarReader:
         """The current member's data, in slices of at most ``limit`` bytes, then its padding skipped."""
         while self._unread:
             if self._pos >= len(self._buf):
-                chunk = self._source.read(max(READ_SIZE, min(self._unread, limit)))
+                chunk = self._read(min(self._unread, limit))
                 if not chunk:
                     raise TarFormatError("the tar stream ends in the middle of a member's data")
                 self._buf, self._pos = chunk, 0
