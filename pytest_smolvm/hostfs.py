@@ -1,10 +1,10 @@
 """Unpacking a tar stream the guest controls onto the host, without trusting one byte of it.
 
 Every tree that comes out of a guest (``copy_out``, a warm baseline's export) and every image
-layer goes through :func:`extract`. ``tarfile`` only parses the stream here: its extraction
-filters are not what keeps the host safe (on Pythons before 3.9.23 / 3.10.18 / 3.11.13 /
-3.12.11 / 3.13.4 they let nested-symlink trees through: CVE-2025-4517, CVE-2025-4330,
-CVE-2025-4138, CVE-2024-12718). The rules, checked by this module alone:
+layer goes through :func:`extract`. :mod:`pytest_smolvm.tarstream` only parses the stream.
+``tarfile``'s extraction filters would not keep the host safe (on Pythons before 3.9.23 /
+3.10.18 / 3.11.13 / 3.12.11 / 3.13.4 they let nested-symlink trees through: CVE-2025-4517,
+CVE-2025-4330, CVE-2025-4138, CVE-2024-12718). The rules, checked by this module alone:
 
 - Paths are walked one component at a time from a directory fd with ``O_NOFOLLOW``: a symlink
   the stream made is never resolved by the host (in an image layer, only a symlink whose target
@@ -23,12 +23,23 @@ import errno
 import os
 import select
 import stat
-import tarfile
 import time
 from dataclasses import dataclass
 from typing import IO
 
 from pytest_smolvm.errors import GuestError
+from pytest_smolvm.tarstream import (
+    BLOCKDEV,
+    CHARDEV,
+    DIRECTORY,
+    FIFO,
+    RECORD_SIZE,
+    REGULAR,
+    SYMLINK,
+    Member,
+    TarFormatError,
+    TarReader,
+)
 
 DEFAULT_MAX_BYTES = 4 << 30  # what one copy_out may write to the host
 DEFAULT_MAX_MEMBERS = 1_000_000
@@ -37,6 +48,8 @@ HEADER_ALLOWANCE = 1536  # stream bytes per member beyond its data: header, long
 MAX_NAME = 4096
 MAX_LINK_HOPS = 40
 CHUNK = 1 << 20
+DIR_CACHE = 64  # parent dir fds kept open at once
+FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -105,7 +118,9 @@ class Policy:
     """What a kind of stream may contain and how its members land."""
 
     what: str  # how errors name the operation
-    prefix: str = ""  # every member must be this name or under it ("" for any)
+    # Every member must be this name or under it ("" for any), or be named relative to the
+    # copied tree (".", "./sub"), which puts it under this name.
+    prefix: str = ""
     layer: bool = False  # an image layer: whiteouts, owners, full modes, in-tree links followed
     squash_owner: bool = False
 
@@ -123,8 +138,16 @@ class Extractor:
         self.this_layer: set[str] = set()
         self.directories: list[tuple[str, int, float]] = []
         self.as_root = hasattr(os, "geteuid") and os.geteuid() == 0
+        self.owners_used = policy.layer and self.as_root and not policy.squash_owner
+        self.umask = _umask()
+        self._dirs: dict[tuple[str, ...], int] = {}  # parent dirs walked, by their parts
+        self._stale: list[int] = []
+        self._last_head: str | None = None  # the last checked name's dir part, and its parts
+        self._last_parts: list[str] = []
 
     def close(self) -> None:
+        for fd in [*self._dirs.values(), *self._stale]:
+            os.close(fd)
         os.close(self.root_fd)
 
     # ---------------------------------------------------------------- names and walking
@@ -134,6 +157,17 @@ class Extractor:
 
     def _parts(self, raw_name: str) -> list[str]:
         """A member name as path components; anything that could leave the tree is refused."""
+        head, _, base = raw_name.rpartition("/")
+        if head == self._last_head and base not in ("", ".", "..") and len(raw_name) <= MAX_NAME \
+                and "\0" not in base:
+            # The same dir as the last name: every check below depends on the head alone.
+            return [*self._last_parts, base]
+        parts = self._check_parts(raw_name)
+        if len(parts) >= 2 and parts[-1] == base:
+            self._last_head, self._last_parts = head, parts[:-1]
+        return parts
+
+    def _check_parts(self, raw_name: str) -> list[str]:
         if len(raw_name) > MAX_NAME or "\0" in raw_name:
             raise self._refuse(raw_name[:200], "name too long or not a path")
         name = raw_name
@@ -147,6 +181,8 @@ class Extractor:
                 raise UnsafeArchive(f"archive member {raw_name!r} points outside the rootfs")
             raise self._refuse(raw_name, "'..' in its name")
         prefix = self.policy.prefix
+        if prefix and (name == "." or name.startswith("./")):
+            return [prefix, *parts]  # named relative to the copied tree (a guest's own tar)
         if prefix and (not parts or parts[0] != prefix):
             raise self._refuse(raw_name, "unexpected member")
         return parts
@@ -220,7 +256,7 @@ class Extractor:
 
     # ---------------------------------------------------------------- members
 
-    def run(self, tar: tarfile.TarFile) -> None:
+    def run(self, tar: TarReader) -> None:
         for member in tar:
             self.members += 1
             if self.members > self.caps.max_members:
@@ -231,47 +267,67 @@ class Extractor:
                 raise UnsafeArchive(f"{self.policy.what}: cannot unpack {member.name[:200]!r}: {exc}") from exc
         self.finish()
 
-    def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    def member(self, tar: TarReader, member: Member) -> None:
         parts = self._parts(member.name)
         if not parts:
             return  # the tree's own root ("." or "/")
         name = "/".join(parts)
         layer = self.policy.layer
-        if member.ischr() or member.isblk() or member.isfifo():
+        kind = member.kind
+        if kind in (CHARDEV, BLOCKDEV, FIFO):
             if layer:
                 return  # the guest gets its own /dev; overlay whiteouts in an export are char devices
-            kind = "a FIFO" if member.isfifo() else "a device"
-            raise self._refuse(member.name, f"{kind}; only regular files, directories and symlinks come out")
-        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
-            raise self._refuse(member.name, f"unsupported member type {member.type!r}")
-        parent_fd = self._open_dir(parts[:-1], member.name, create=True)
+            what = "a FIFO" if kind == FIFO else "a device"
+            raise self._refuse(member.name, f"{what}; only regular files, directories and symlinks come out")
+        parent_fd = self._parent(parts, member.name)
+        base = parts[-1]
         try:
-            base = parts[-1]
             if layer and base == ".wh..wh..opq":
                 self._clear(parent_fd, "/".join(parts[:-1]))
                 return
             if layer and base.startswith(".wh."):
                 self._remove(parent_fd, base[len(".wh."):])
                 return
-            if member.isdir():
-                self._make_dir(parent_fd, base, name, member)
-            elif member.issym():
-                self._make_symlink(parent_fd, base, name, member)
-            elif member.islnk():
-                self._make_hardlink(parent_fd, base, name, member)
-            else:
+            if kind == REGULAR:
                 self._make_file(tar, parent_fd, base, name, member)
-            self.this_layer.add(name)
+            elif kind == DIRECTORY:
+                self._make_dir(parent_fd, base, name, member)
+            elif kind == SYMLINK:
+                self._make_symlink(parent_fd, base, name, member)
+            else:
+                self._make_hardlink(parent_fd, base, name, member)
+            if layer:
+                self.this_layer.add(name)
         finally:
-            os.close(parent_fd)
+            while self._stale:  # forgotten while this member still used its parent's fd
+                os.close(self._stale.pop())
 
-    def _mode(self, member: tarfile.TarInfo) -> int:
+    def _parent(self, parts: list[str], name: str) -> int:
+        """The fd of a member's parent dir, walked once and kept while nothing is removed.
+
+        Tar streams list a directory's entries together, so most members reuse the last walk.
+        An fd names the directory itself: only a removal (which empties this cache) can make
+        a walked path mean another directory, and nothing else changes what a path resolves to.
+        """
+        key = tuple(parts[:-1])
+        fd = self._dirs.get(key)
+        if fd is None:
+            if len(self._dirs) >= DIR_CACHE:
+                self._forget()
+            fd = self._dirs[key] = self._open_dir(parts[:-1], name, create=True)
+        return fd
+
+    def _forget(self) -> None:
+        self._stale.extend(self._dirs.values())
+        self._dirs.clear()
+
+    def _mode(self, member: Member) -> int:
         if self.policy.layer:
             return member.mode & 0o7777
         # Out of a guest: no setuid/setgid/sticky, no group/other write (tarfile's "data" rule).
-        return member.mode & (0o777 if member.isdir() else 0o755)
+        return member.mode & (0o777 if member.kind == DIRECTORY else 0o755)
 
-    def _owner(self, member: tarfile.TarInfo) -> tuple[int, int] | None:
+    def _owner(self, member: Member) -> tuple[int, int] | None:
         if not self.policy.layer or not self.as_root:
             return None  # copy_out: the host user owns what it copied
         return (0, 0) if self.policy.squash_owner else (member.uid, member.gid)
@@ -284,31 +340,39 @@ class Extractor:
         if stat.S_ISDIR(st.st_mode):
             if keep_dir:
                 return
+            self._forget()
             _rmtree_at(parent_fd, base)
         else:
+            self._forget()
             os.unlink(base, dir_fd=parent_fd)
 
-    def _make_dir(self, parent_fd: int, base: str, name: str, member: tarfile.TarInfo) -> None:
-        self._clear_entry(parent_fd, base, keep_dir=True)
+    def _make_dir(self, parent_fd: int, base: str, name: str, member: Member) -> None:
         try:
             os.mkdir(base, 0o700, dir_fd=parent_fd)
         except FileExistsError:
-            pass
+            self._clear_entry(parent_fd, base, keep_dir=True)
+            try:
+                os.mkdir(base, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass  # a directory already: members may repeat one
         owner = self._owner(member)
         if owner is not None:
             os.chown(base, *owner, dir_fd=parent_fd, follow_symlinks=False)
         self.directories.append((name, self._mode(member), member.mtime))
 
-    def _make_symlink(self, parent_fd: int, base: str, name: str, member: tarfile.TarInfo) -> None:
+    def _make_symlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
         if not self.policy.layer and not _link_stays_inside(name, member.linkname, self.policy.prefix):
             raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
-        self._clear_entry(parent_fd, base, keep_dir=False)
-        os.symlink(member.linkname, base, dir_fd=parent_fd)
+        try:
+            os.symlink(member.linkname, base, dir_fd=parent_fd)
+        except FileExistsError:
+            self._clear_entry(parent_fd, base, keep_dir=False)
+            os.symlink(member.linkname, base, dir_fd=parent_fd)
         owner = self._owner(member)
         if owner is not None:
             os.chown(base, *owner, dir_fd=parent_fd, follow_symlinks=False)
 
-    def _make_hardlink(self, parent_fd: int, base: str, name: str, member: tarfile.TarInfo) -> None:
+    def _make_hardlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
         target_parts = self._parts(member.linkname)
         target = "/".join(target_parts)
         if not target_parts or (not self.policy.layer and target not in self.regular):
@@ -333,39 +397,70 @@ class Extractor:
             os.close(target_fd)
         self.regular.add(name)
 
-    def _make_file(self, tar: tarfile.TarFile, parent_fd: int, base: str, name: str,
-                   member: tarfile.TarInfo) -> None:
-        self._clear_entry(parent_fd, base, keep_dir=False)
-        fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=parent_fd)
+    def _make_file(self, tar: TarReader, parent_fd: int, base: str, name: str, member: Member) -> None:
+        mode = self._mode(member)
         try:
-            source = tar.extractfile(member)
-            if source is not None:
-                while True:
-                    chunk = source.read(CHUNK)
-                    if not chunk:
-                        break
-                    self.written += len(chunk)
-                    if self.written > self.caps.max_bytes:
-                        raise UnsafeArchive(f"{self.policy.what}: more than {self.caps.max_bytes} bytes "
-                                            f"(the cap) at {member.name!r}; refused")
-                    view = memoryview(chunk)
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
+        except FileExistsError:
+            self._clear_entry(parent_fd, base, keep_dir=False)
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
+        try:
+            # Counted at the size the member declares, before a byte lands (a sparse file at its
+            # full size): the data copied is exactly that many bytes.
+            size = member.size if member.sparse is None else member.realsize
+            if self.written + size > self.caps.max_bytes:
+                raise UnsafeArchive(f"{self.policy.what}: more than {self.caps.max_bytes} bytes "
+                                    f"(the cap) at {member.name!r}; refused")
+            self.written += size
+            if member.sparse is None:
+                whole = tar.small()
+                for view in (whole,) if whole is not None else tar.data():
                     while view:
                         view = view[os.write(fd, view):]
-            owner = self._owner(member)
+            else:
+                self._write_sparse(tar, fd, member)
+            owner = self._owner(member) if self.policy.layer else None
             if owner is not None:
                 os.fchown(fd, *owner)
-            os.fchmod(fd, self._mode(member))
+            # open() gave the file mode & ~umask; chmod only what that left out (chown clears setuid).
+            if owner is not None or mode & ~0o777 or mode & self.umask:
+                os.fchmod(fd, mode)
             os.utime(fd, (member.mtime, member.mtime))
         finally:
             os.close(fd)
         self.regular.add(name)
+
+    def _write_sparse(self, tar: TarReader, fd: int, member: Member) -> None:
+        assert member.sparse is not None
+        end = stored = 0
+        for offset, length in member.sparse:
+            if offset < end or length < 0 or offset + length > member.realsize:
+                raise self._refuse(member.name, "a sparse map out of order or past the file's size")
+            end = offset + length
+            stored += length
+        if stored != member.size:
+            raise self._refuse(member.name, "a sparse map that does not match its data")
+        data = tar.data()
+        pending = memoryview(b"")
+        for offset, length in member.sparse:
+            os.lseek(fd, offset, os.SEEK_SET)
+            while length:
+                if not pending:
+                    pending = next(data)
+                piece, pending = pending[:length], pending[length:]
+                length -= len(piece)
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+        for _ in data:
+            pass  # the padding
+        os.ftruncate(fd, member.realsize)
 
     def _remove(self, parent_fd: int, base: str) -> None:
         if base and base not in (".", ".."):
             self._clear_entry(parent_fd, base, keep_dir=False)
 
     def _clear(self, dir_fd: int, dir_name: str) -> None:
+        self._forget()
         for entry in os.listdir(dir_fd):
             full = f"{dir_name}/{entry}" if dir_name else entry
             if full not in self.this_layer:
@@ -425,12 +520,25 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
                            timeout=caps.timeout, what=policy.what)
     extractor = Extractor(dest, policy, caps)
     try:
-        # Big reads from a pipe (a guest's stream: fewer polls); tarfile's own record size from a
-        # file, so a layer's reader stops where the archive ends (a digest check follows it).
-        bufsize = CHUNK if reader.is_pipe else tarfile.RECORDSIZE
-        with tarfile.open(fileobj=reader, mode="r|", bufsize=bufsize) as tar:  # type: ignore[call-overload]
-            extractor.run(tar)
-    except tarfile.TarError as exc:
+        # Long-name, pax and sparse headers: at most a few per member.
+        # Big reads from a pipe or socket (a guest's stream: fewer polls); a record at a time
+        # from a file, so a layer's reader stops where the archive ends: the rest is for the
+        # digest check that follows (a gzip trailer read here would fail as a bad member).
+        extractor.run(TarReader(reader, max_meta_headers=3 * caps.max_members, owners=extractor.owners_used,
+                                read_size=CHUNK if reader.is_pipe else RECORD_SIZE))
+    except TarFormatError as exc:
         raise UnsafeArchive(f"{policy.what}: not a readable tar stream: {exc}") from exc
     finally:
         extractor.close()
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would race other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o777  # unknown: always chmod

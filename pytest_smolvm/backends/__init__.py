@@ -157,7 +157,9 @@ class Guest(Protocol):
                     user: str | None = None) -> None:
         """Stream ``guest_path`` (file or tree, as ``arcname``) as a tar to ``consume``.
 
-        The stream is guest-controlled: ``consume`` must treat it as hostile.
+        A tree's members may instead be named relative to it (``.``, ``./sub``), as a tar
+        that cannot rename members writes them. The stream is guest-controlled: ``consume``
+        must treat it as hostile.
         """
 
     def logs(self) -> str: ...

@@ -117,18 +117,20 @@ def raise_error(error: dict[str, Any], name: str, what: str) -> None:
 
 def run(channel: Channel, message: dict[str, Any], *, name: str, stdin: bytes | IO[bytes] | None,
         output_limit: int, timeout: float | None, on_output: OutputCallback | None = None,
-        cancel: Cancel | None = None, stdout_sink: Callable[[bytes], None] | None = None) -> Outcome:
+        cancel: Cancel | None = None, stdout_sink: Callable[[bytes], None] | None = None,
+        stdout_fd: int | None = None) -> Outcome:
     """Send one request that starts a guest child, feed its stdin, collect its output and status.
 
     ``stdin`` as a file with a descriptor (a pipe) goes to the child as is: no copy through
-    this process. ``cancel`` kills the child's process group, as a timeout does.
+    this process; so does ``stdout_fd`` (this call closes it once sent; the caller reads the
+    other end). ``cancel`` kills the child's process group, as a timeout does.
     """
     if isinstance(stdin, (bytes, bytearray)) or stdin is None:
         in_r, in_w = os.pipe()
         own_in_r = True
     else:
         in_r, in_w, own_in_r = stdin.fileno(), -1, False
-    out_r, out_w = os.pipe()
+    out_r, out_w = os.pipe() if stdout_fd is None else (-1, stdout_fd)
     err_r, err_w = os.pipe()
     status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours = [fd for fd in (in_r if own_in_r else -1, out_w, err_w) if fd >= 0]
@@ -163,8 +165,9 @@ class _Call:
         self.stderr = BoundedBuffer(output_limit)
         self.pending = memoryview(bytes(stdin or b"")) if isinstance(stdin, (bytes, bytearray)) else memoryview(b"")
         self.sinks: dict[int, Callable[[bytes], None]] = {
-            out_r: self._sink("stdout", stdout_sink or self.stdout.add, on_output),
             err_r: self._sink("stderr", self.stderr.add, on_output)}
+        if out_r >= 0:
+            self.sinks[out_r] = self._sink("stdout", stdout_sink or self.stdout.add, on_output)
         self.poller = select.poll()
         self.pid: int | None = None
         self.kill_pending = False

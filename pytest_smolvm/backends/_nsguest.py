@@ -710,8 +710,9 @@ def _op_put_archive(message: dict[str, Any]) -> int:
     for tar_path in GUEST_TARS:
         if os.access(tar_path, os.X_OK):
             # The guest's own tar writes only into the guest, and it is ~10x faster than
-            # tarfile per member; the archive is the host's own files.
-            os.execv(tar_path, [tar_path, "-x", "-p", "-f", "-", "-C", dest])
+            # tarfile per member; the archive is the host's own files. Every member is owned
+            # by 0:0 already, so no chown per file (-o): ~18% of its time on a small-file tree.
+            os.execv(tar_path, [tar_path, "-x", "-p", "-o", "-f", "-", "-C", dest])
     with os.fdopen(0, "rb", closefd=False) as src, tarfile.open(fileobj=src, mode="r|") as tar:
         # The archive comes from the host's own files; the guest root contains any link.
         tar.extractall(dest, numeric_owner=True, filter="fully_trusted")
@@ -720,9 +721,47 @@ def _op_put_archive(message: dict[str, Any]) -> int:
 
 def _op_get_archive(message: dict[str, Any]) -> int:
     path = message["path"]
-    os.lstat(path)  # a clear "No such file" before any byte of archive is written
+    st = os.lstat(path)  # a clear "No such file" before any byte of archive is written
+    if stat.S_ISDIR(st.st_mode):
+        for tar_path in GUEST_TARS:
+            if os.access(tar_path, os.X_OK):
+                return _tar_tree(tar_path, path)
     with os.fdopen(1, "wb", closefd=False) as dst, tarfile.open(fileobj=dst, mode="w|") as tar:
         tar.add(path, arcname=message["arcname"], recursive=True)
+    return 0
+
+
+def _tar_tree(tar_path: str, path: str) -> int:
+    """A guest directory as a tar stream written by the guest's own tar (~8x faster than tarfile).
+
+    The guest controls its tar, but it controls the stream anyway: the host parses it as
+    hostile either way. Members are named relative to the tree (".", "./sub/file"), which the
+    host puts under the name it asked for: BusyBox tar cannot rename members.
+    """
+    # Entered by fd without following a link: the tree is the directory that was checked,
+    # and an unreadable top is a PermissionError, as tarfile would raise.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchdir(fd)
+    finally:
+        os.close(fd)
+    # Its stderr goes to a memfd, not a pipe: a process the guest's tar leaves behind could
+    # hold a pipe open, and this child would wait for its end forever.
+    err = os.memfd_create("tar-stderr", os.MFD_CLOEXEC)
+    try:
+        code = subprocess.call([tar_path, "-c", "-f", "-", "."], stdin=subprocess.DEVNULL, stderr=err,
+                               close_fds=True)
+        tail = os.pread(err, 1 << 16, max(0, os.fstat(err).st_size - (1 << 16)))
+    finally:
+        os.close(err)
+    lines = [line for line in tail.decode(errors="replace").splitlines() if line.strip()]
+    if code == 1 and lines and all("file changed as we read it" in line for line in lines):
+        return 0  # GNU tar's "some files changed": the archive is complete, as tarfile's would be
+    if code != 0:
+        if any("Permission denied" in line for line in lines):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        os.write(2, tail)
+        return code if code > 0 else SIGNAL_EXIT_BASE - code
     return 0
 
 

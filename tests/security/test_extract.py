@@ -421,3 +421,86 @@ def test_an_absurd_member_is_a_clear_refusal(dest: Path) -> None:
         build(tar)
     with pytest.raises(hostfs.UnsafeArchive, match="cannot unpack 'payload/old'"):
         hostfs.extract(io.BytesIO(buffer.getvalue()), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+
+
+# ------------------------------------------------------------------ the parser (tarstream) on its own terms
+
+
+def test_names_relative_to_the_tree_land_under_the_prefix(dest: Path, canary: Canary, tmp_path: Path) -> None:
+    """A guest's own tar names members "./sub/file": they go under the prefix, by the same rules."""
+    def build(tar: tarfile.TarFile) -> None:
+        _dir(tar, ".", 0o750)
+        _file(tar, "./sub/f", b"data")
+        _sym(tar, "./link", "sub/f")
+        _hard(tar, "./hard", "./sub/f")
+    hostfs.extract(io.BytesIO(_tar(build)), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    out = dest / PAYLOAD
+    assert (out / "sub" / "f").read_bytes() == b"data" and os.readlink(out / "link") == "sub/f"
+    assert (out / "hard").stat().st_ino == (out / "sub" / "f").stat().st_ino
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    before = _outside(tmp_path, dest)
+    for name, target in (("./../x", None), ("./up", "../x"), ("./abs", str(canary.dir))):
+        data = _tar(lambda tar, n=name, t=target: _sym(tar, n, t) if t else _file(tar, n))  # type: ignore[misc]
+        with pytest.raises(hostfs.UnsafeArchive, match="refused"):
+            hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    canary.assert_untouched()
+    assert _outside(tmp_path, dest) == before
+
+
+def _header(name: bytes, size: int, typeflag: bytes = b"0", raw_size: bytes | None = None) -> bytes:
+    """A GNU header built by hand, for fields tarfile will not write."""
+    block = bytearray(512)
+    block[0:len(name)] = name
+    block[100:108] = b"0000644\0"
+    block[124:136] = raw_size if raw_size is not None else b"%011o\0" % size
+    block[136:148] = b"00000000000\0"
+    block[156:157] = typeflag
+    block[257:265] = b"ustar  \0"
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+@pytest.mark.parametrize("case", ["huge-pax-header", "negative-size", "bad-checksum", "truncated", "unknown-type"])
+def test_malformed_streams_are_refused_before_anything_is_held(case: str, dest: Path) -> None:
+    """Metadata is held in memory: a 1 GiB pax header is refused from its header, not read."""
+    if case == "huge-pax-header":
+        data = _header(b"././@PaxHeader", 1 << 30, b"x")  # nothing follows: it is never read
+    elif case == "negative-size":
+        data = _header(f"{PAYLOAD}/f".encode(), 0, raw_size=b"\xff" + b"\xff" * 11)
+    elif case == "bad-checksum":
+        block = bytearray(_header(f"{PAYLOAD}/f".encode(), 0))
+        block[0] ^= 1
+        data = bytes(block)
+    elif case == "truncated":
+        data = _header(f"{PAYLOAD}/f".encode(), 4096) + b"x" * 100
+    else:
+        data = _header(f"{PAYLOAD}/f".encode(), 0, b"V")
+    with pytest.raises(hostfs.UnsafeArchive, match="not a readable tar stream"):
+        hostfs.extract(io.BytesIO(data + bytes(1024)), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar to write sparse members")
+@pytest.mark.parametrize("fmt", [["--format=gnu"], ["--format=posix", "--sparse-version=0.0"],
+                                 ["--format=posix", "--sparse-version=0.1"],
+                                 ["--format=posix", "--sparse-version=1.0"]],
+                         ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
+def test_sparse_members_of_every_format_come_out_whole(fmt: list[str], tmp_path: Path, dest: Path) -> None:
+    src = tmp_path / "src" / PAYLOAD
+    src.mkdir(parents=True)
+    with open(src / "holes", "wb") as f:
+        for offset in (0, 3 << 20, 9 << 20):
+            f.seek(offset)
+            f.write(os.urandom(5000))
+        f.truncate(12 << 20)
+    archive = subprocess.run(["tar", "--sparse", *fmt, "-c", "-f", "-", "-C", str(src.parent), PAYLOAD],
+                             capture_output=True, check=True, timeout=60).stdout
+    assert len(archive) < 1 << 20
+    hostfs.extract(io.BytesIO(archive), dest, hostfs.Policy("copy_out", prefix=PAYLOAD))
+    assert (dest / PAYLOAD / "holes").read_bytes() == (src / "holes").read_bytes()
+    capped = tmp_path / "capped"
+    capped.mkdir()
+    with pytest.raises(hostfs.UnsafeArchive, match="the cap"):  # counted at its full size, up front
+        hostfs.extract(io.BytesIO(archive), capped, hostfs.Policy("copy_out", prefix=PAYLOAD),
+                       hostfs.Caps(max_bytes=8 << 20))
+    assert (capped / PAYLOAD / "holes").stat().st_size == 0

@@ -282,6 +282,18 @@ def test_7e_copy_out_refuses_fifos_and_devices(vm: VM, tmp_path: Path) -> None:
         vm.copy_out("/t", tmp_path / "out")
 
 
+def test_7f_a_guest_tar_that_leaves_a_daemon_on_the_stream_does_not_hold_copy_out(vm: VM, tmp_path: Path) -> None:
+    """copy_out runs the guest's own tar, which the guest may replace: a process it leaves
+    behind holding the stream open must not keep the host waiting for an end of stream."""
+    vm.exec("mkdir -p /t && echo data > /t/f && mv /bin/tar /bin/tar.real && "
+            "printf '#!/bin/sh\\nsetsid sleep 600 &\\nexec /bin/tar.real \"$@\"\\n' > /bin/tar && chmod 755 /bin/tar",
+            check=True)
+    started = time.monotonic()
+    out = vm.copy_out("/t", tmp_path / "out")
+    assert time.monotonic() - started < 60
+    assert (out / "f").read_text() == "data\n"
+
+
 # ------------------------------------------------------------------ 8. default limits
 
 
