@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +94,13 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
+def planned(limits: Limits, name: str) -> list[str]:
+    """The dirs :func:`create` makes for ``name``: known before they exist, so a record can name them."""
+    if limits.version == "v2" and limits.parents:
+        return [os.path.join(sorted(set(limits.parents.values()))[0], f"smolvm-{name}")]
+    return sorted({os.path.join(parent, f"smolvm-{name}") for parent in limits.parents.values()})
+
+
 def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None,
            defaults: bool = True) -> list[str]:
     """Make the guest's cgroup(s) with its limits; returns the dirs to join and later remove.
@@ -135,6 +143,20 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
         for path in made:
             remove(path)
         raise
+
+
+def kill_members(path: str) -> None:
+    """SIGKILL every process in the cgroup at ``path`` (a guest's own; missing is fine)."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            pids = [int(line) for line in f if line.strip()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def remove(path: str, timeout: float = 2.0) -> None:

@@ -320,6 +320,11 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
             pass
         if not wait_gone(pid, DESTROY_TIMEOUT):
             raise GuestError(f"guest init {pid} did not exit within {DESTROY_TIMEOUT:.0f}s of SIGKILL")
+    elif not pid:
+        # Recorded before create returned (see planned_registry_data): whatever runs in the
+        # guest's own cgroup is that guest's, half made.
+        for path in data.get("cgroups") or []:
+            cgroups.kill_members(path)
     for path in data.get("cgroups") or []:
         cgroups.remove(path)
     scratch = data.get("scratch")
@@ -417,6 +422,13 @@ class NamespaceBackend:
             raise
         ctl = socket.socket(fileno=fds[0])
         return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+
+    def planned_registry_data(self, name: str) -> dict[str, Any]:
+        """What ``create`` makes on the host for ``name``, saved in its record before it exists:
+        a crash in the middle of a create (the zygote and the test process killed) still leaves
+        the reaper everything it needs. No pid yet: there is nothing to kill."""
+        return {"scratch": str(state_dir() / "scratch" / name),
+                "cgroups": cgroups.planned(self.limits, f"{cgroups.state_tag(state_dir())}-{name}")}
 
     def _rlimits(self, spec: VMSpec, relax: set[str]) -> dict[str, int]:
         """Per-guest rlimits where no cgroup controller does the job (user-namespace mode)."""
