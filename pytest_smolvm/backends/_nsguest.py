@@ -1030,7 +1030,10 @@ def zygote(sock: socket.socket) -> None:
         except Exception as exc:  # the zygote must outlive any one failed request
             reply, out_fds = {"error": f"{type(exc).__name__}: {exc}"}, []
         reply["id"] = message.get("id")
-        _send(sock, reply, out_fds)
+        try:
+            _send(sock, reply, out_fds)
+        except OSError:
+            pass  # our owner died while we worked (a guest made ahead): the next recv cleans up
         for fd in out_fds:
             os.close(fd)
 
