@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -292,6 +293,30 @@ def test_7f_a_guest_tar_that_leaves_a_daemon_on_the_stream_does_not_hold_copy_ou
     out = vm.copy_out("/t", tmp_path / "out")
     assert time.monotonic() - started < 60
     assert (out / "f").read_text() == "data\n"
+
+
+def test_7g_a_guest_tar_that_leaves_a_daemon_on_stdin_does_not_hold_copy_in(vm: VM, tmp_path: Path) -> None:
+    """copy_in feeds the guest's own tar, which the guest may replace: one that exits at once
+    and leaves a process holding its stdin unread must not keep the host writing forever."""
+    vm.exec("rm -f /bin/tar && printf '#!/bin/sh\\nexec 3<&0\\nsetsid sleep 600 <&3 >/dev/null 2>&1 &\\nexit 0\\n' > /bin/tar && "
+            "chmod 755 /bin/tar", check=True)
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(16 << 20))  # far more than a socket's buffer holds
+    outcome: list[BaseException | None] = []
+
+    def copy_in() -> None:
+        try:
+            vm.copy_in(big, "/workspace/big")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=copy_in, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "copy_in still writing into a stream nobody reads"
+    assert vm.exec("pgrep -x sleep").exit_code == 0  # the attack's daemon did hold stdin
+    assert outcome == [None] or isinstance(outcome[0], (GuestError, OSError)), outcome
 
 
 # ------------------------------------------------------------------ 8. default limits
