@@ -14,6 +14,7 @@ DEFAULT_PIDS_MAX = 4096  # a guest's fork bomb stops here instead of at the host
 # when the marker names none; it bounds one guest, it reserves nothing.
 DEFAULT_MEMORY_MB = 4096
 CPU_PERIOD_US = 100_000
+GUEST_PREFIX = "smolvm-"  # every guest cgroup is named so
 
 
 def default_cpus() -> float:
@@ -97,8 +98,8 @@ def _write(path: str, value: str) -> None:
 def planned(limits: Limits, name: str) -> list[str]:
     """The dirs :func:`create` makes for ``name``: known before they exist, so a record can name them."""
     if limits.version == "v2" and limits.parents:
-        return [os.path.join(sorted(set(limits.parents.values()))[0], f"smolvm-{name}")]
-    return sorted({os.path.join(parent, f"smolvm-{name}") for parent in limits.parents.values()})
+        return [os.path.join(sorted(set(limits.parents.values()))[0], f"{GUEST_PREFIX}{name}")]
+    return sorted({os.path.join(parent, f"{GUEST_PREFIX}{name}") for parent in limits.parents.values()})
 
 
 def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None,
@@ -115,7 +116,7 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
     dirs = sorted(set(limits.parents.values())) if limits.version == "v2" else None
     try:
         if limits.version == "v2" and dirs:
-            path = os.path.join(dirs[0], f"smolvm-{name}")
+            path = os.path.join(dirs[0], f"{GUEST_PREFIX}{name}")
             os.mkdir(path)
             made.append(path)
             if "pids" in limits.parents:
@@ -126,7 +127,7 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
                 _write(os.path.join(path, "cpu.max"), f"{int(cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
             return made
         for controller, parent in sorted(limits.parents.items()):
-            path = os.path.join(parent, f"smolvm-{name}")
+            path = os.path.join(parent, f"{GUEST_PREFIX}{name}")
             if path in made:
                 continue
             os.mkdir(path)
@@ -146,7 +147,13 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
 
 
 def kill_members(path: str) -> None:
-    """SIGKILL every process in the cgroup at ``path`` (a guest's own; missing is fine)."""
+    """SIGKILL every process in the cgroup at ``path`` (a guest's own; missing is fine).
+
+    Only a guest's cgroup: a record naming any other (damaged, hand-edited) must not kill a
+    host cgroup's processes, so a path not named as :func:`create` names them is left alone.
+    """
+    if not os.path.basename(path.rstrip("/")).startswith(GUEST_PREFIX):
+        return
     try:
         with open(os.path.join(path, "cgroup.procs")) as f:
             pids = [int(line) for line in f if line.strip()]

@@ -6,11 +6,14 @@ record, scratch dir, guest process, cgroup or mount is left on the host.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -255,6 +258,43 @@ def test_next_session_reaps_what_a_dead_run_left(pytester: pytest.Pytester, smol
     assert list((smol_state / "registry").glob("*.json"))
     pytester.makepyfile(test_next="def test_ok(smol_vm):\n    pass\n")
     pytester.runpytest_subprocess("test_next.py").assert_outcomes(passed=1)
+
+
+def test_a_guest_recorded_before_its_pid_is_destroyed_through_its_cgroup(tmp_path: Path) -> None:
+    """A run killed mid-create leaves a record with no pid yet (planned_registry_data):
+    destroying it kills what runs in the guest's own cgroup, and never what runs in a cgroup
+    a damaged record names that is not a guest's."""
+    from pytest_smolvm import cgroups
+    from pytest_smolvm.backends.namespace import destroy_recorded
+
+    limits = cgroups.detect()
+    if not limits.parents:
+        pytest.skip(f"no cgroup can be made here ({limits.summary})")
+    tag = uuid.uuid4().hex[:8]
+    guest_dirs = cgroups.create(limits, f"reaptest-{tag}", cpus=None, memory_mb=None, defaults=False)
+    bystander_dir = os.path.join(os.path.dirname(guest_dirs[0]), f"bystander-{tag}")
+    os.mkdir(bystander_dir)
+    half_made = subprocess.Popen(["sleep", "600"])
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        for path in guest_dirs:
+            Path(path, "cgroup.procs").write_text(str(half_made.pid))
+        Path(bystander_dir, "cgroup.procs").write_text(str(bystander.pid))
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        destroy_recorded({"scratch": str(scratch), "cgroups": guest_dirs})
+        assert half_made.wait(timeout=10) == -signal.SIGKILL
+        assert not any(os.path.exists(path) for path in guest_dirs) and not scratch.exists()
+        with pytest.raises(OSError):  # still holds the bystander: cannot be removed
+            destroy_recorded({"cgroups": [bystander_dir]})
+        assert bystander.poll() is None, "a cgroup not named as a guest's had its processes killed"
+    finally:
+        for proc in (half_made, bystander):
+            proc.kill()
+            proc.wait()
+        for path in [*guest_dirs, bystander_dir]:
+            with contextlib.suppress(FileNotFoundError):
+                cgroups.remove(path)
 
 
 def test_reap_leaves_guests_of_live_owners_alone(pytester: pytest.Pytester, smol_state: Path) -> None:

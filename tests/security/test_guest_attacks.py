@@ -298,7 +298,8 @@ def test_7f_a_guest_tar_that_leaves_a_daemon_on_the_stream_does_not_hold_copy_ou
 def test_7g_a_guest_tar_that_leaves_a_daemon_on_stdin_does_not_hold_copy_in(vm: VM, tmp_path: Path) -> None:
     """copy_in feeds the guest's own tar, which the guest may replace: one that exits at once
     and leaves a process holding its stdin unread must not keep the host writing forever."""
-    vm.exec("rm -f /bin/tar && printf '#!/bin/sh\\nexec 3<&0\\nsetsid sleep 600 <&3 >/dev/null 2>&1 &\\nexit 0\\n' > /bin/tar && "
+    vm.exec("rm -f /bin/tar && "
+            "printf '#!/bin/sh\\nexec 3<&0\\nsetsid sleep 600 <&3 >/dev/null 2>&1 &\\nexit 0\\n' > /bin/tar && "
             "chmod 755 /bin/tar", check=True)
     big = tmp_path / "big"
     big.write_bytes(os.urandom(16 << 20))  # far more than a socket's buffer holds
