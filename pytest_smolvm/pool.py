@@ -7,7 +7,7 @@ interrupted halfway by Ctrl-C and never raises into a test's outcome; whatever i
 when the process ends is destroyed by :meth:`GuestPool.close`.
 
 For speed (background.py): a test's guests are destroyed off its path (:meth:`GuestPool.release`),
-and where the backend's guests cost nothing idle and this process has a core to itself, the
+and where the backend's guests cost nothing idle and every worker has a core, the
 next guest is made ahead while the test runs (``ready``). A guest made ahead was never used: it
 is what a new one would be, for the same baseline and spec, made a few milliseconds earlier.
 """
@@ -204,13 +204,17 @@ class GuestPool:
         backends opt in with ``idle_guests_are_free``).
 
         The backend's idle guests must be free (a namespace guest is; a smol machine is billed
-        or holds memory), this process must have a core to itself, so that making a guest
-        never slows a test, and no ``--smol-max-vms`` cap may count a guest nobody uses yet.
+        or holds memory), no ``--smol-max-vms`` cap may count a guest nobody uses yet, and the
+        host must have more than one core and at least one per xdist worker. The guest made
+        ahead is work the next test would do anyway: with a core per worker it fills the time
+        the worker waits on its guest (at ``-n 2`` on 2 cores the cores sat idle ~30% of an
+        eval run without it); on one core, or with more workers than cores, it would only
+        compete with the tests.
         """
         if self._make_ahead is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._make_ahead = (getattr(backend_class(self.plan.backend), "idle_guests_are_free", False)
-                                and not self.settings.max_vms and cores > self.workers)
+                                and not self.settings.max_vms and cores >= max(2, self.workers))
         return self._make_ahead
 
     def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float) -> LiveGuest:

@@ -57,7 +57,7 @@ def cores(request: pytest.FixtureRequest) -> Iterator[int]:
         os.sched_setaffinity(0, before)
 
 
-@pytest.mark.skipif(CORES < 2, reason="a guest is made ahead only where the test process has a core to spare")
+@pytest.mark.skipif(CORES < 2, reason="a guest is made ahead only where the host has more than one core")
 def test_the_next_guest_is_made_ahead_fresh_and_taken_by_the_next_test(pytester: pytest.Pytester,
                                                                        smol_state: Path) -> None:
     pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
@@ -89,10 +89,10 @@ def test_c_another_spec_does_not_get_a_guest_made_for_the_default(smol_vm):
     result.assert_outcomes(passed=3)
 
 
-@pytest.mark.parametrize(("cores", "args"), [(1, []), (2, ["-n", "2"])], indirect=["cores"],
-                         ids=["serial-on-one-core", "two-workers-on-two-cores"])
-def test_nothing_is_made_ahead_without_a_spare_core(pytester: pytest.Pytester, smol_state: Path, cores: int,
-                                                    args: list[str]) -> None:
+@pytest.mark.parametrize(("cores", "args"), [(1, []), (2, ["-n", "3"])], indirect=["cores"],
+                         ids=["serial-on-one-core", "three-workers-on-two-cores"])
+def test_nothing_is_made_ahead_without_a_core_per_worker(pytester: pytest.Pytester, smol_state: Path, cores: int,
+                                                         args: list[str]) -> None:
     pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
 import pytest
 
@@ -102,6 +102,25 @@ def test_a(smol_vm, i):
     assert made_ahead(wait=1) == []
     """)
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("cores", [2], indirect=True)
+def test_each_worker_makes_its_next_guest_ahead_with_a_core_each(pytester: pytest.Pytester, smol_state: Path,
+                                                                 cores: int) -> None:
+    pytester.makepyfile(RECORDS.format(state=str(smol_state), ready=READY_TEST_ID) + """
+import os
+import pytest
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_a(smol_vm, i):
+    worker = os.environ["PYTEST_XDIST_WORKER"]  # in every guest name the worker makes
+    deadline = time.monotonic() + 10
+    while not any(worker in name for name in made_ahead(wait=0)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert any(worker in name for name in made_ahead(wait=0)), made_ahead(wait=0)
+    """)
+    pytester.runpytest_subprocess("-n", "2", "--dist", "each").assert_outcomes(passed=4)
 
 
 def test_nothing_is_made_ahead_under_a_vm_cap(pytester: pytest.Pytester, smol_state: Path) -> None:
