@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,9 @@ from pytest_smolvm.procs import is_alive, process_start_time
 
 def registry_dir() -> Path:
     return state_dir() / "registry"
+
+
+_OWN_START: dict[str, Any] = {}  # this process's pid and its start time, read once
 
 
 @dataclass
@@ -39,7 +42,9 @@ class Record:
     @classmethod
     def for_this_process(cls, name: str, backend: str, run_id: str, worker: str, test_id: str) -> Record:
         pid = os.getpid()
-        return cls(name, backend, run_id, worker, pid, process_start_time(pid), test_id)
+        if _OWN_START.get("pid") != pid:  # once per process (a fork is another process)
+            _OWN_START.update(pid=pid, start=process_start_time(pid))
+        return cls(name, backend, run_id, worker, pid, _OWN_START["start"], test_id)
 
     @property
     def path(self) -> Path:
@@ -50,12 +55,26 @@ class Record:
         return is_alive(self.owner_pid, self.owner_start)
 
     def save(self) -> None:
-        """Write atomically: a reader sees the old record or the new one, never half of one."""
-        directory = registry_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{self.name}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, self.path)
+        """Write atomically: a reader sees the old record or the new one, never half of one.
+
+        Three saves per guest (planned, made, taken by its test), so no work a save need not
+        do: the dir is made only when missing, and the fields are flat apart from ``data``.
+        """
+        directory = str(registry_dir())
+        tmp = os.path.join(directory, f".{self.name}.{os.getpid()}.tmp")
+        payload = json.dumps(vars(self)).encode()
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(directory, f"{self.name}.json"))
 
     def remove(self) -> None:
         try:
