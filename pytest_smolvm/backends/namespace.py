@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import os
 import signal
@@ -66,12 +67,11 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 class Zygote:
     """The per-process helper that forks guests (started lazily, once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_tag: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The state dir's tag in argv names whose helper (and whose guests' inits) a process is.
         self._proc = subprocess.Popen(
-            [HELPER_ARGV0, "-I", "-S", "-c", HELPER_BOOT, GUEST_HELPER.name, str(theirs.fileno()),
-             cgroups.state_tag(state_dir())],
+            [HELPER_ARGV0, "-I", "-S", "-c", HELPER_BOOT, GUEST_HELPER.name, str(theirs.fileno()), state_tag],
             executable=sys.executable, env=HELPER_ENV, pass_fds=[theirs.fileno()], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
@@ -394,25 +394,33 @@ class NamespaceBackend:
                 self._zygote.close()  # a retry gets a fresh helper; live guests do not need the old one
                 self._zygote = None
             if self._zygote is None:
-                self._zygote = Zygote()
+                self._zygote = Zygote(self._state[1])
             return self._zygote
+
+    @functools.cached_property
+    def _state(self) -> tuple[Path, str]:
+        """The state dir and its tag, read once per backend: its zygote carries the tag, and
+        every create and record would otherwise read the environment again."""
+        state = state_dir()
+        return state, cgroups.state_tag(state)
 
     def create(self, spec: VMSpec) -> NamespaceGuest:
         if spec.allow_hosts:
             raise ProvisionError("allow_hosts needs the smol backend: the namespace backend can only "
                                  "give a guest no network (the default) or the host's (network=True)")
         rootfs = self.rootfs(spec.baseline)
-        scratch = state_dir() / "scratch" / spec.name
+        state, tag = self._state
+        scratch = state / "scratch" / spec.name
         scratch.mkdir(parents=True, exist_ok=False)
         relax = set(spec.relax)
         bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         cgroup_dirs: list[str] = []
         try:
-            cgroup_dirs = cgroups.create(self.limits, f"{cgroups.state_tag(state_dir())}-{spec.name}",
+            cgroup_dirs = cgroups.create(self.limits, f"{tag}-{spec.name}",
                                          cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
-                "state": str(state_dir()), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
+                "state": str(state), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
                 "network": spec.network, "userns": self.userns, "seccomp": bpf,
                 "rlimits": self._rlimits(spec, relax),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
@@ -430,8 +438,8 @@ class NamespaceBackend:
         """What ``create`` makes on the host for ``name``, saved in its record before it exists:
         a crash in the middle of a create (the zygote and the test process killed) still leaves
         the reaper everything it needs. No pid yet: there is nothing to kill."""
-        return {"scratch": str(state_dir() / "scratch" / name),
-                "cgroups": cgroups.planned(self.limits, f"{cgroups.state_tag(state_dir())}-{name}")}
+        state, tag = self._state
+        return {"scratch": str(state / "scratch" / name), "cgroups": cgroups.planned(self.limits, f"{tag}-{name}")}
 
     def _rlimits(self, spec: VMSpec, relax: set[str]) -> dict[str, int]:
         """Per-guest rlimits where no cgroup controller does the job (user-namespace mode)."""
