@@ -1,13 +1,15 @@
-"""The backend's bare loop, no pytest: ``python _bare.py N`` runs N x (create, exec "true", destroy).
+"""The backend's bare loop, no pytest: ``python _bare.py N OUT`` runs N x (create, exec "true", destroy).
 
-The caller times the whole process for N and 2N and divides the difference by N, exactly as it
-does for a pytest run of N and 2N tests: interpreter start-up and the first guest (which
-starts the zygote) cancel out, and what is left is the steady per-guest cost.
+It writes to OUT the seconds per guest from the end of the first to the end of the last,
+exactly as the pytest suite's conftest times a run of N tests: interpreter start-up, the
+first guest (which starts the zygote) and the close are left out of both.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 from pytest_smolvm.backends import VMSpec
@@ -22,6 +24,7 @@ def main() -> None:
     backend = NamespaceBackend()
     baseline = resolve(None, Path.cwd())
     backend.prepare_run(baseline)
+    first_done = 0.0
     try:
         for i in range(count):
             guest = backend.create(VMSpec(name=f"bare-{i}", baseline=baseline))
@@ -30,8 +33,12 @@ def main() -> None:
                 assert result.exit_code == 0, result
             finally:
                 guest.destroy()
+            if i == 0:
+                first_done = time.perf_counter()
+        last_done = time.perf_counter()
     finally:
         backend.close()
+    Path(sys.argv[2]).write_text(json.dumps((last_done - first_done) / (count - 1)))
 
 
 if __name__ == "__main__":
