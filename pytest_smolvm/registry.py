@@ -7,6 +7,7 @@ then the record: the reaper, at session start or end, or ``pytest-smolvm reap`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -69,12 +70,17 @@ class Record:
             os.makedirs(directory, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(directory, f"{self.name}.json"))
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, os.path.join(directory, f"{self.name}.json"))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a full disk must not leave half a record behind
+            raise
 
     def remove(self) -> None:
         try:
