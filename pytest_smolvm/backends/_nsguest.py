@@ -895,19 +895,18 @@ def _create(req: dict[str, Any], own_pid_ns: int) -> tuple[dict[str, Any], list[
     one_fork = not req["userns"]
     if one_fork:
         _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
+    pid = -1
     try:
         pid = os.fork()
-    except BaseException:
-        if one_fork:
+    finally:
+        if one_fork and pid != 0:
+            # Back to our own pid namespace for children (the next unshare(CLONE_NEWPID)
+            # needs it), whether the fork worked or not; never in the child, the guest's pid 1.
             _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
-        raise
     if pid == 0:
         os.close(report_r)
         host_end.close()
         _setup_guest(req, guest_end, report_w)
-    if one_fork:
-        # Back to our own pid namespace for children: the next unshare(CLONE_NEWPID) needs it.
-        _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
     os.close(report_w)
     guest_end.close()
     # Answer as soon as the guest has reported, without waiting for a setup process to exit:
