@@ -64,11 +64,12 @@ class Record:
         directory = str(registry_dir())
         tmp = os.path.join(directory, f".{self.name}.{os.getpid()}.tmp")
         payload = json.dumps(vars(self)).encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:
             os.makedirs(directory, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 view = memoryview(payload)
