@@ -260,6 +260,63 @@ def test_next_session_reaps_what_a_dead_run_left(pytester: pytest.Pytester, smol
     pytester.runpytest_subprocess("test_next.py").assert_outcomes(passed=1)
 
 
+CONCURRENT_CREATES = """
+import os, signal, sys, threading
+from pathlib import Path
+from pytest_smolvm.backends import VMSpec
+from pytest_smolvm.backends.namespace import NamespaceBackend
+from pytest_smolvm.baseline import resolve
+
+backend = NamespaceBackend()
+baseline = resolve(None, Path.cwd())
+backend.prepare_run(baseline)
+made = {}
+
+def make(name):
+    made[name] = backend.create(VMSpec(name=name, baseline=baseline))
+
+threads = [threading.Thread(target=make, args=(f"together-{i}",)) for i in range(4)]
+for thread in threads:
+    thread.start()
+if sys.argv[1] == "crash":
+    # Once the helper has forked every setup (each joins its guest's cgroups first), and
+    # before anyone could destroy them: only the helper knows of them now.
+    procs = [os.path.join(d, "cgroup.procs") for i in range(4)
+             for d in backend.planned_registry_data(f"together-{i}")["cgroups"]]
+    while not all(os.path.exists(p) and Path(p).read_text().strip() for p in procs):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+for thread in threads:
+    thread.join()
+for name, guest in sorted(made.items()):
+    result = guest.exec(["hostname"], env={}, workdir=None, stdin=None, timeout=10, output_limit=1 << 16)
+    print(name, result.stdout.decode().strip())
+    guest.destroy()
+backend.close()
+"""
+
+
+def test_guests_asked_for_at_once_each_reach_their_asker(smol_state: Path) -> None:
+    """The helper sets guests up concurrently and replies as each is ready: every reply must
+    reach the thread that asked for that guest."""
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_CREATES, "wait"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")[:-1]
+    assert lines == [f"together-{i} together-{i}" for i in range(4)], done.stdout
+
+
+def test_a_process_killed_while_its_guests_are_set_up_leaves_nothing(smol_state: Path) -> None:
+    from pytest_smolvm import cgroups
+
+    if not cgroups.detect().parents:
+        pytest.skip("needs guest cgroups, to see when the helper has forked every setup")
+    # smol_state checks that the helper finished the setups it had started and then removed them.
+    killed = subprocess.run([sys.executable, "-c", CONCURRENT_CREATES, "crash"], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).parent.parent)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
 def test_a_guest_recorded_before_its_pid_is_destroyed_through_its_cgroup(tmp_path: Path) -> None:
     """A run killed mid-create leaves a record with no pid yet (planned_registry_data):
     destroying it kills what runs in the guest's own cgroup, and never what runs in a cgroup

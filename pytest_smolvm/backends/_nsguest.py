@@ -32,6 +32,7 @@ processes or mounts behind. Only a guest marked ``keep`` outlives its owner.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -162,7 +163,14 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = 
 
 
 def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 8)
+    # Close-on-exec from the start: a command the init spawns must inherit no fd but its own
+    # 0/1/2. (socket.recv_fds drops its flags argument before Python 3.12: recvmsg directly.)
+    fds = array.array("i")
+    data, ancdata, _flags, _addr = sock.recvmsg(MAX_MESSAGE, socket.CMSG_LEN(8 * fds.itemsize),
+                                                socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     if not data:
         for fd in fds:
             os.close(fd)
@@ -319,9 +327,6 @@ class Init:
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
         self.children: dict[int, int] = {}  # pid -> that request's status fd
-        # An exec's Popen stays referenced until reap() has its status: a dropped, unfinished
-        # Popen would go to subprocess's _active list, whose polling could reap it first.
-        self.popens: dict[int, subprocess.Popen[bytes]] = {}
         self.keep = False
         rfd, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rfd
@@ -373,9 +378,6 @@ class Init:
             if pid == 0:
                 return
             status_fd = self.children.pop(pid, None)
-            popen = self.popens.pop(pid, None)
-            if popen is not None:
-                popen.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by subprocess
             if status_fd is not None:
                 code = os.waitstatus_to_exitcode(status)
                 if code < 0:
@@ -437,16 +439,18 @@ class Init:
         _report(fds[3], {"pid": pid})
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
-        """Start an exec request's command through subprocess (vfork + execve), not os.fork.
+        """Start an exec request's command through posix_spawn (vfork + execve), not os.fork.
 
         Why: os.fork() of this Python process copies its page tables, and then each side pays
         a copy-on-write fault for every page it touches until the child's execve; on this
-        project's (paravirtualized) hosts that is ~2 ms per exec. subprocess uses vfork: no
-        copy, a fraction of that. The command starts in a new session (its pid is its
-        process group, for timeouts), with default dispositions for the signals this process
-        catches (see __init__), fds 0/1/2 from the request and no other fd, the cwd, and
-        execvpe's PATH search over the request's env. A failed chdir or execve is reported
-        on the status socket with its errno, as subprocess would raise it.
+        project's (paravirtualized) hosts that is ~2 ms per exec. posix_spawn uses vfork: no
+        copy, and no Python runs between the two (subprocess.Popen's Python, in a freshly
+        forked init, costs copy-on-write faults of its own). The command starts in a new
+        session (its pid is its process group, for timeouts), with default dispositions for
+        the signals this process catches or ignores, fds 0/1/2 from the request and no other
+        fd (every fd of this process is close-on-exec), the cwd, and execvpe's PATH search
+        over the request's env. A failed chdir or execve is reported on the status socket
+        with its errno.
         """
         argv, env = message["argv"], message["env"]
         cwd = message.get("cwd") or "/"
@@ -460,7 +464,7 @@ class Init:
                 self.spawn_failed(fds, _error(exc, cwd, "workdir"))
                 return
             try:
-                popen = _popen_vpe(argv, env, fds[:3])
+                pid = _spawn_vpe(argv, env, fds[:3])
             except OSError as exc:
                 self.spawn_failed(fds, _error(exc, argv[0], "exec"))
                 return
@@ -468,9 +472,8 @@ class Init:
             os.chdir("/")
         for fd in fds[:3]:
             os.close(fd)
-        self.children[popen.pid] = status_fd
-        self.popens[popen.pid] = popen
-        _report(status_fd, {"pid": popen.pid})
+        self.children[pid] = status_fd
+        _report(status_fd, {"pid": pid})
 
     def spawn_failed(self, fds: list[int], error: dict[str, Any]) -> None:
         _report(fds[3], {"error": error})  # no process: no pid, no exit
@@ -611,8 +614,13 @@ def _become(message: dict[str, Any]) -> None:
                 message["env"][key] = value
 
 
-def _popen_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> subprocess.Popen[bytes]:
-    """Popen with os.execvpe's PATH search: same candidates, same order, same error raised."""
+# What a spawned command starts with: default dispositions for what the init catches (see
+# Init.__init__) and for SIGXFSZ, which Python ignores and execve would pass on ignored.
+SPAWN_DEFAULT_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT, signal.SIGXFSZ)
+
+
+def _spawn_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> int:
+    """posix_spawn with os.execvpe's PATH search: same candidates, same order, same error raised."""
     file = argv[0]
     candidates = [file] if os.path.dirname(file) else [os.path.join(d, file) for d in os.get_exec_path(env)]
     last_exc: OSError | None = None
@@ -628,8 +636,8 @@ def _popen_vpe(argv: list[str], env: dict[str, str], fds: list[int]) -> subproce
         except OSError:
             pass  # let execve itself say what is wrong
         try:
-            return subprocess.Popen(argv, executable=path, env=env, stdin=fds[0], stdout=fds[1], stderr=fds[2],
-                                    close_fds=True, start_new_session=True, restore_signals=False)
+            return os.posix_spawn(path, argv, env, setsid=True, setsigdef=SPAWN_DEFAULT_SIGNALS,
+                                  file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)])
         except (FileNotFoundError, NotADirectoryError) as exc:
             last_exc = exc
         except OSError as exc:
@@ -889,51 +897,64 @@ def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: i
     os._exit(0)
 
 
-def _create(req: dict[str, Any], own_pid_ns: int) -> tuple[dict[str, Any], list[int]]:
-    host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    report_r, report_w = os.pipe()
-    one_fork = not req["userns"]
-    if one_fork:
-        _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
-    pid = -1
-    try:
-        pid = os.fork()
-    finally:
-        if one_fork and pid != 0:
-            # Back to our own pid namespace for children (the next unshare(CLONE_NEWPID)
-            # needs it), whether the fork worked or not; never in the child, the guest's pid 1.
-            _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
-    if pid == 0:
-        os.close(report_r)
-        host_end.close()
-        _setup_guest(req, guest_end, report_w)
-    os.close(report_w)
-    guest_end.close()
-    # Answer as soon as the guest has reported, without waiting for a setup process to exit:
-    # tearing down its copy of our address space takes ~1 ms here, and the host need not
-    # wait for that. The zygote's loop reaps it (_reap_children) like any other child.
-    raw = b""
-    reply: dict[str, Any] | None = None
-    with os.fdopen(report_r, "rb", buffering=0) as f:
-        while reply is None:
-            chunk = f.read(1 << 16)
-            if not chunk:
-                break
-            raw += chunk
+class _Creating:
+    """A guest whose setup process is at work: the zygote serves other requests meanwhile."""
+
+    def __init__(self, req: dict[str, Any], own_pid_ns: int) -> None:
+        self.id = req.get("id")
+        self.janitor = {"name": req["name"], "scratch": req["scratch"], "state": req["state"],
+                        "cgroups": [os.path.dirname(p) for p in req["cgroup_procs"]]}
+        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        one_fork = not req["userns"]
+        if one_fork:
+            _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if one_fork and pid != 0:
+                # Back to our own pid namespace for children (the next unshare(CLONE_NEWPID)
+                # needs it), whether the fork worked or not; never in the child, the guest's pid 1.
+                _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
+            if pid != 0:
+                os.close(report_w)
+                guest_end.close()
+                if pid < 0:
+                    os.close(report_r)
+                    host_end.close()
+        if pid == 0:
+            os.close(report_r)
+            host_end.close()
+            _setup_guest(req, guest_end, report_w)
+        self.pid, self.report_r, self.host_end, self.raw = pid, report_r, host_end, b""
+
+    def read(self) -> tuple[dict[str, Any], list[int]] | None:
+        """Read what the setup process reported so far; the reply once it is all there.
+
+        The reply comes as soon as the guest has reported, without waiting for a setup process
+        to exit: tearing down its copy of our address space takes ~1 ms here, and the host need
+        not wait for that. The zygote's loop reaps it (_reap_children) like any other child.
+        """
+        chunk = os.read(self.report_r, 1 << 16)
+        self.raw += chunk
+        reply: dict[str, Any] | None = None
+        if chunk:
             try:
-                reply = json.loads(raw)  # a prefix of a JSON object never parses: wait for the rest
+                reply = json.loads(self.raw)  # a prefix of a JSON object never parses: wait for the rest
             except ValueError:
-                continue
-    if reply is None:
-        reply = {"error": raw.decode(errors="replace") if raw else "guest setup died without a word"}
-    if "error" in reply:
-        os.waitpid(pid, 0)  # it exits right after reporting; then its cgroup can go
-        host_end.close()
-        return reply, []
-    reply.setdefault("pid", pid)
-    reply.pop("ok", None)
-    fd = host_end.detach()
-    return reply, [fd]
+                return None
+        os.close(self.report_r)
+        if reply is None:
+            reply = {"error": self.raw.decode(errors="replace") if self.raw else "guest setup died without a word"}
+        if "error" in reply:
+            with contextlib.suppress(ChildProcessError):  # reaped already by the zygote's loop
+                os.waitpid(self.pid, 0)  # it exits right after reporting; then its cgroup can go
+            self.host_end.close()
+            return reply, []
+        reply.setdefault("pid", self.pid)
+        reply.pop("ok", None)
+        return reply, [self.host_end.detach()]
 
 
 def _reap_children() -> None:
@@ -994,47 +1015,72 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
 
 
 def zygote(sock: socket.socket) -> None:
+    """Serve the owner's requests; guests are set up concurrently, each reply sent when ready.
+
+    Creates overlap: the zygote forks a guest's setup process and goes back to its socket, so
+    a pytest process that makes guests ahead keeps both cores busy with setups, not one.
+    """
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
     guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
+    creating: dict[int, _Creating] = {}  # report pipe -> a guest being set up
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    while True:
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    owner_gone = False
+    while not owner_gone or creating:
         _reap_children()
-        try:
-            message, fds = _recv(sock)
-        except InterruptedError:
-            continue
-        except OSError:
-            message, fds = None, []
-        if message is None:
-            # Our owner closed the socket or died: the one moment nobody else will clean up.
-            _clean_after_owner(guests)
-            return
-        for fd in fds:
-            os.close(fd)
-        try:
-            if message["op"] == "create":
-                # What to clean after a crash, taken before the guest exists: a bad request
-                # fails here, never with a live guest whose socket nobody holds.
-                janitor = {"name": message["name"], "scratch": message["scratch"], "state": message["state"],
-                           "cgroups": [os.path.dirname(p) for p in message["cgroup_procs"]]}
-                reply, out_fds = _create(message, own_pid_ns)
-                if "pid" in reply:
-                    guests[int(reply["pid"])] = janitor
-            elif message["op"] == "ping":
-                reply, out_fds = {"ok": True}, []
-            else:
-                reply, out_fds = {"error": f"unknown op {message['op']!r}"}, []
-        except Exception as exc:  # the zygote must outlive any one failed request
-            reply, out_fds = {"error": f"{type(exc).__name__}: {exc}"}, []
-        reply["id"] = message.get("id")
-        try:
-            _send(sock, reply, out_fds)
-        except OSError:
-            pass  # our owner died while we worked (a guest made ahead): the next recv cleans up
-        for fd in out_fds:
-            os.close(fd)
+        for fd, _events in poller.poll():
+            if fd in creating:
+                done = creating[fd].read()
+                if done is not None:
+                    poller.unregister(fd)
+                    _reply(sock, creating.pop(fd), *done, guests)
+                continue
+            try:
+                message, fds = _recv(sock)
+            except InterruptedError:
+                continue
+            except OSError:
+                message, fds = None, []
+            if message is None:
+                # Our owner closed the socket or died: the one moment nobody else will clean up.
+                # Guests still being set up are finished first, so that they are cleaned too.
+                owner_gone = True
+                poller.unregister(sock)
+                continue
+            for fd_ in fds:
+                os.close(fd_)
+            try:
+                if message["op"] == "create":
+                    job = _Creating(message, own_pid_ns)
+                    creating[job.report_r] = job
+                    poller.register(job.report_r, select.POLLIN)
+                    continue
+                if message["op"] == "ping":
+                    reply: dict[str, Any] = {"ok": True}
+                else:
+                    reply = {"error": f"unknown op {message['op']!r}"}
+            except Exception as exc:  # the zygote must outlive any one failed request
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            reply["id"] = message.get("id")
+            with contextlib.suppress(OSError):
+                _send(sock, reply)
+    _clean_after_owner(guests)
+
+
+def _reply(sock: socket.socket, job: _Creating, reply: dict[str, Any], out_fds: list[int],
+           guests: dict[int, dict[str, Any]]) -> None:
+    if "pid" in reply:
+        guests[int(reply["pid"])] = job.janitor
+    reply["id"] = job.id
+    try:
+        _send(sock, reply, out_fds)
+    except OSError:
+        pass  # our owner died while we worked (a guest made ahead): cleaned after the loop
+    for fd in out_fds:
+        os.close(fd)
 
 
 def _preload() -> None:

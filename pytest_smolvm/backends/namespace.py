@@ -79,22 +79,46 @@ class Zygote:
         with self._proc.stdin:
             self._proc.stdin.write(GUEST_HELPER.read_bytes())
         self._sock = ours
-        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        # Replies come in the order guests finish, not the order asked: whoever waits reads
+        # for everyone (one reader at a time) and hands each reply to its asker.
+        self._replies: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self._reading = False
+        self._arrived = threading.Condition()
         self._next_id = 0
         self.dead = False
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        with self._lock:
+        with self._send_lock:
             self._next_id += 1
+            ident = self._next_id
             try:
-                _send(self._sock, {**message, "id": self._next_id})
-                reply, fds = _recv(self._sock)
+                _send(self._sock, {**message, "id": ident})
             except OSError:
-                reply, fds = None, []
-        if reply is None:
-            self.dead = True
-            raise ProvisionError(f"the namespace helper died (exit status {self._proc.poll()})", retryable=True)
-        return reply, fds
+                self.dead = True
+        with self._arrived:
+            while ident not in self._replies and not self.dead:
+                if self._reading:
+                    self._arrived.wait()
+                    continue
+                self._reading = True
+                self._arrived.release()
+                try:
+                    try:
+                        reply, fds = _recv(self._sock)
+                    except OSError:
+                        reply, fds = None, []
+                finally:
+                    self._arrived.acquire()
+                    self._reading = False
+                if reply is None:
+                    self.dead = True
+                else:
+                    self._replies[int(reply.get("id") or 0)] = (reply, fds)
+                self._arrived.notify_all()
+            if ident in self._replies:
+                return self._replies.pop(ident)
+        raise ProvisionError(f"the namespace helper died (exit status {self._proc.poll()})", retryable=True)
 
     def close(self) -> None:
         self._sock.close()

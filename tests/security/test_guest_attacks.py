@@ -152,6 +152,19 @@ def test_3b_guest_cannot_ptrace_the_per_request_helpers(vm: VM, probe_binary: Pa
     assert found["attached"] == "0", line
 
 
+def test_3c_a_guest_command_holds_no_fd_of_its_init(vm: VM) -> None:
+    """No control socket, and no other request's status socket: with one, a guest command could
+    forge another request's exit status or send the init requests of its own."""
+    running = threading.Thread(target=vm.exec, args=("sleep 2",))  # its status socket stays with the init
+    running.start()
+    try:
+        time.sleep(0.3)
+        listing = vm.exec("ls /proc/$$/fd; :", check=True).stdout.split()  # the shell's fds, not ls's
+    finally:
+        running.join()
+    assert sorted(listing) == ["0", "1", "2"], listing
+
+
 # ------------------------------------------------------------------ 4. killing host processes via cgroups
 
 
@@ -471,6 +484,16 @@ def test_held_leftover_daemons_are_killed_at_teardown(make_vm: Callable[..., VM]
     while _host_pids(pattern) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _host_pids(pattern)
+
+
+def test_held_commands_start_with_default_signal_dispositions(vm: VM) -> None:
+    """As a fresh login would: no signal the init (a Python process) ignores or catches stays
+    ignored in a guest command; an ignored SIGPIPE or SIGXFSZ changes how programs fail."""
+    status = dict(line.split(":\t") for line in vm.exec(["cat", "/proc/self/status"], check=True).stdout.splitlines()
+                  if line.startswith(("SigIgn", "SigBlk")))
+    classic = (1 << 31) - 1  # signals 1-31; a C library may keep its own real-time signals
+    assert int(status["SigIgn"], 16) & classic == 0, status
+    assert int(status["SigBlk"], 16) == 0, status
 
 
 def _host_pids(args: list[bytes]) -> list[int]:
