@@ -58,55 +58,77 @@ class Teardown(Generic[T]):
         return taken
 
 
-class Ahead(Generic[T]):
-    """At most one item made ahead in a background thread, for the key it was made for.
+class _Order(Generic[T]):
+    """One item to make ahead: made by the Ahead's thread, waited for by whoever takes it."""
 
-    ``take(key)`` returns the made item if it was made for ``key`` (waiting for it to finish),
-    else None; an item for another key, or one that failed, goes to ``discard``. ``make``
-    failures are not reported here: the caller makes the item itself, and meets them then.
-    """
+    def __init__(self, make: Callable[[], T]) -> None:
+        self.make = make
+        self.made: T | None = None
+        self.done = threading.Event()
 
-    def __init__(self, discard: Callable[[T], None]) -> None:
-        self._discard = discard
-        self._key: Hashable | None = None
-        self._done = threading.Event()
-        self._made: T | None = None
-        self._thread: threading.Thread | None = None
+    def fulfil(self) -> None:
+        try:
+            self.made = self.make()
+        except BaseException:
+            pass
+        finally:
+            self.done.set()
 
-    def start(self, key: Hashable, make: Callable[[], T]) -> None:
-        if self._thread is not None:
-            return  # one at a time: the one in flight is taken or discarded first
-        self._key, self._made = key, None
-        self._done.clear()
-
-        def run() -> None:
-            try:
-                self._made = make()
-            except BaseException:
-                pass
-            finally:
-                self._done.set()
-
-        self._thread = threading.Thread(target=run, name="smolvm-ahead", daemon=True)
-        self._thread.start()
-
-    def take(self, key: Hashable) -> T | None:
-        if self._thread is None:
-            return None
-        self._done.wait()
-        self._thread = None
-        made, self._made = self._made, None
-        if made is not None and key != self._key:
-            self._discard(made)
-            return None
+    def result(self) -> T | None:
+        self.done.wait()
+        made, self.made = self.made, None
         return made
 
+
+class Ahead(Generic[T]):
+    """Up to ``depth`` items made ahead, one after another in one background thread, all for one key.
+
+    ``take(key)`` returns the oldest item if it was made for ``key`` (waiting for it to finish),
+    else None; items for another key, or one that failed, go to ``discard``. ``make``
+    failures are not reported here: the caller makes the item itself, and meets them then.
+    One thread, not one per item: the items would queue on one engine (the namespace
+    backend's zygote forks one guest at a time) anyway, and a thread per item costs a thread
+    start and exit per test.
+    """
+
+    def __init__(self, discard: Callable[[T], None], depth: int = 1) -> None:
+        self._discard = discard
+        self.depth = depth
+        self._key: Hashable | None = None
+        self._orders: list[_Order[T]] = []  # oldest first; taken or cancelled only by the caller's thread
+        self._queue: queue.Queue[_Order[T]] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self, key: Hashable, make: Callable[[], T]) -> None:
+        """Order items for ``key`` until ``depth`` are made or in the making."""
+        if key != self._key:
+            self.cancel()
+            self._key = key
+        while len(self._threads) < self.depth:
+            thread = threading.Thread(target=self._work, name="smolvm-ahead", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        while len(self._orders) < self.depth:
+            order = _Order(make)
+            self._orders.append(order)
+            self._queue.put(order)
+
+    def _work(self) -> None:
+        while True:
+            self._queue.get().fulfil()
+
+    def take(self, key: Hashable) -> T | None:
+        if not self._orders:
+            return None
+        if key != self._key:
+            self.cancel()
+            return None
+        return self._orders.pop(0).result()
+
     def cancel(self) -> None:
-        """Wait for the one in flight, if any, and discard it."""
-        if self._thread is None:
-            return
-        self._done.wait()
-        self._thread = None
-        made, self._made = self._made, None
-        if made is not None:
-            self._discard(made)
+        """Wait for the items ordered, if any, and discard them."""
+        orders, self._orders = self._orders, []
+        for order in orders:
+            made = order.result()
+            if made is not None:
+                self._discard(made)

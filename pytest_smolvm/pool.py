@@ -44,6 +44,7 @@ PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
 DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 READY_TEST_ID = "(made ahead for the next test)"
+AHEAD_DEPTH = 2  # guests made ahead at once where there are this many cores per worker
 
 
 @contextlib.contextmanager
@@ -200,21 +201,24 @@ class GuestPool:
 
     @property
     def makes_ahead(self) -> bool:
-        """Make the next guest during this test? Only where it costs the run nothing (third-party
+        """Make the next guests during this test? Only where it costs the run nothing (third-party
         backends opt in with ``idle_guests_are_free``).
 
         The backend's idle guests must be free (a namespace guest is; a smol machine is billed
         or holds memory), no ``--smol-max-vms`` cap may count a guest nobody uses yet, and the
-        host must have more than one core and at least one per xdist worker. The guest made
-        ahead is work the next test would do anyway: with a core per worker it fills the time
-        the worker waits on its guest (at ``-n 2`` on 2 cores the cores sat idle ~30% of an
-        eval run without it); on one core, or with more workers than cores, it would only
-        compete with the tests.
+        host must have more than one core and at least one per xdist worker. The guests made
+        ahead are work the next tests would do anyway: with a core per worker they fill the
+        time the worker waits on its guest (at ``-n 2`` on 2 cores the cores sat idle ~30% of
+        an eval run without it); on one core, or with more workers than cores, they would only
+        compete with the tests. With two cores or more per worker, two are made at once: the
+        setups overlap on the cores (one at a time left the test waiting ~5 ms per test on a
+        2-core host, docs/performance.md).
         """
         if self._make_ahead is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._make_ahead = (getattr(backend_class(self.plan.backend), "idle_guests_are_free", False)
                                 and not self.settings.max_vms and cores >= max(2, self.workers))
+            self._ahead.depth = AHEAD_DEPTH if cores >= AHEAD_DEPTH * self.workers else 1
         return self._make_ahead
 
     def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float) -> LiveGuest:
