@@ -247,9 +247,9 @@ class GuestPool:
         backend = self.backend
         name = self.new_name()
         record = registry.Record.for_this_process(name, plan.backend, self.run_id, self.worker, test_id)
-        planned = getattr(backend, "planned_registry_data", None)  # an optional backend method
-        if planned is not None:
-            record.data = planned(name)
+        reserve = getattr(backend, "reserve", None)  # an optional backend method
+        if reserve is not None:
+            record.data = reserve(name)
         record.save()
         try:
             guest = backend.create(VMSpec(

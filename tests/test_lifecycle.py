@@ -282,7 +282,7 @@ if sys.argv[1] == "crash":
     # Once the helper has forked every setup (each joins its guest's cgroups first), and
     # before anyone could destroy them: only the helper knows of them now.
     procs = [os.path.join(d, "cgroup.procs") for i in range(4)
-             for d in backend.planned_registry_data(f"together-{i}")["cgroups"]]
+             for d in backend.reserve(f"together-{i}")["cgroups"]]
     while not all(os.path.exists(p) and Path(p).read_text().strip() for p in procs):
         pass
     os.kill(os.getpid(), signal.SIGKILL)
@@ -318,7 +318,7 @@ def test_a_process_killed_while_its_guests_are_set_up_leaves_nothing(smol_state:
 
 
 def test_a_guest_recorded_before_its_pid_is_destroyed_through_its_cgroup(tmp_path: Path) -> None:
-    """A run killed mid-create leaves a record with no pid yet (planned_registry_data):
+    """A run killed mid-create leaves a record with no pid yet (NamespaceBackend.reserve):
     destroying it kills what runs in the guest's own cgroup, and never what runs in a cgroup
     a damaged record names that is not a guest's."""
     from pytest_smolvm import cgroups

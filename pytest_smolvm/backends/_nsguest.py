@@ -902,8 +902,7 @@ class _Creating:
 
     def __init__(self, req: dict[str, Any], own_pid_ns: int) -> None:
         self.id = req.get("id")
-        self.janitor = {"name": req["name"], "scratch": req["scratch"], "state": req["state"],
-                        "cgroups": [os.path.dirname(p) for p in req["cgroup_procs"]]}
+        self.janitor = _janitor(req, [os.path.dirname(p) for p in req["cgroup_procs"]])
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         one_fork = not req["userns"]
@@ -967,16 +966,18 @@ def _reap_children() -> None:
             return
 
 
-def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
+def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, dict[str, Any]], owner: int) -> None:
     """The pytest process that owned these guests is gone: remove what their destroy would have.
 
     Runs when our socket to that process reaches EOF: a clean close (all guests were destroyed
     already, so this finds nothing) or a crash (SIGKILL, os._exit, a pytest-timeout thread
     timeout). A guest's init exits by itself when its own socket closes; we wait for that, then
     take away its scratch dir, cgroups and registry record. A kept guest keeps all three.
+    ``expected`` guests were announced but never asked for (the owner died in between): no
+    process, only what the owner had made for them so far.
     """
     deadline = time.monotonic() + JANITOR_WAIT
-    for pid, guest in guests.items():
+    for pid, guest in [*guests.items(), *((None, guest) for guest in expected.values())]:
         record_path = os.path.join(guest["state"], "registry", f"{guest['name']}.json")
         try:
             with open(record_path) as f:
@@ -985,7 +986,7 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
             record = None
         if record is not None and (record.get("kept") or record.get("data", {}).get("pid") not in (None, pid)):
             continue
-        while time.monotonic() < deadline:
+        while pid is not None and time.monotonic() < deadline:
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -994,7 +995,8 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
                 break
             time.sleep(0.005)
         else:
-            continue  # still running: leave it to 'pytest-smolvm reap'
+            if pid is not None:
+                continue  # still running: leave it to 'pytest-smolvm reap'
         removed_all = True
         for path in [*guest["cgroups"], guest["scratch"]]:
             for _ in range(200):
@@ -1007,11 +1009,12 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]]) -> None:
                     time.sleep(0.005)  # a cgroup stays busy for a moment after its last task
             else:
                 removed_all = False
-        if record is not None and removed_all:  # otherwise the record stays for 'pytest-smolvm reap'
-            try:
-                os.unlink(record_path)
-            except OSError:
-                pass
+        if removed_all:  # otherwise the record stays for 'pytest-smolvm reap'
+            # With any save the owner was killed in the middle of (registry.Record.save's temp file).
+            partial = os.path.join(guest["state"], "registry", f".{guest['name']}.{owner}.tmp")
+            for path in ([record_path] if record is not None else []) + [partial]:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def zygote(sock: socket.socket) -> None:
@@ -1020,10 +1023,12 @@ def zygote(sock: socket.socket) -> None:
     Creates overlap: the zygote forks a guest's setup process and goes back to its socket, so
     a pytest process that makes guests ahead keeps both cores busy with setups, not one.
     """
+    owner = os.getppid()  # read now: once the owner is dead, our parent is someone else
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
     guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
+    expected: dict[str, dict[str, Any]] = {}  # guest name -> what to remove if our owner dies before its create
     creating: dict[int, _Creating] = {}  # report pipe -> a guest being set up
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     poller = select.poll()
@@ -1053,7 +1058,11 @@ def zygote(sock: socket.socket) -> None:
             for fd_ in fds:
                 os.close(fd_)
             try:
+                if message["op"] == "expect":  # no reply: the owner does not wait
+                    expected[str(message["name"])] = _janitor(message, [str(d) for d in message["cgroups"]])
+                    continue
                 if message["op"] == "create":
+                    expected.pop(str(message["name"]), None)
                     job = _Creating(message, own_pid_ns)
                     creating[job.report_r] = job
                     poller.register(job.report_r, select.POLLIN)
@@ -1067,7 +1076,14 @@ def zygote(sock: socket.socket) -> None:
             reply["id"] = message.get("id")
             with contextlib.suppress(OSError):
                 _send(sock, reply)
-    _clean_after_owner(guests)
+    _clean_after_owner(guests, expected, owner)
+
+
+def _janitor(req: dict[str, Any], cgroup_dirs: list[str]) -> dict[str, Any]:
+    """What to remove for a guest if our owner dies: taken before the guest exists, so that a
+    bad request fails here, never with a live guest whose socket nobody holds."""
+    return {"name": str(req["name"]), "scratch": str(req["scratch"]), "state": str(req["state"]),
+            "cgroups": cgroup_dirs}
 
 
 def _reply(sock: socket.socket, job: _Creating, reply: dict[str, Any], out_fds: list[int],

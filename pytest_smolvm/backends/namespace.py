@@ -88,6 +88,14 @@ class Zygote:
         self._next_id = 0
         self.dead = False
 
+    def tell(self, message: dict[str, Any]) -> None:
+        """Send ``message`` with no reply to wait for (messages arrive in the order sent)."""
+        with self._send_lock:
+            try:
+                _send(self._sock, message)
+            except OSError:
+                self.dead = True
+
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         with self._send_lock:
             self._next_id += 1
@@ -348,7 +356,7 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
         if not wait_gone(pid, DESTROY_TIMEOUT):
             raise GuestError(f"guest init {pid} did not exit within {DESTROY_TIMEOUT:.0f}s of SIGKILL")
     elif not pid:
-        # Recorded before create returned (see planned_registry_data): whatever runs in the
+        # Recorded before create returned (see reserve): whatever runs in the
         # guest's own cgroup is that guest's, half made.
         for path in data.get("cgroups") or []:
             cgroups.kill_members(path)
@@ -458,12 +466,18 @@ class NamespaceBackend:
         ctl = socket.socket(fileno=fds[0])
         return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
 
-    def planned_registry_data(self, name: str) -> dict[str, Any]:
-        """What ``create`` makes on the host for ``name``, saved in its record before it exists:
-        a crash in the middle of a create (the zygote and the test process killed) still leaves
-        the reaper everything it needs. No pid yet: there is nothing to kill."""
+    def reserve(self, name: str) -> dict[str, Any]:
+        """What ``create`` makes on the host for ``name``, saved in its record before it exists.
+
+        The helper hears of it first, so that if this process dies before ``create`` returns
+        (a guest made ahead is often half made when a test kills its pytest), the helper
+        removes what was made and the record, as it does for the guests it made. If both die,
+        the record still gives the reaper everything it needs; no pid yet: nothing to kill.
+        """
         state, tag = self._state
-        return {"scratch": str(state / "scratch" / name), "cgroups": cgroups.planned(self.limits, f"{tag}-{name}")}
+        data = {"scratch": str(state / "scratch" / name), "cgroups": cgroups.planned(self.limits, f"{tag}-{name}")}
+        self._helper().tell({"op": "expect", "name": name, "state": str(state), **data})
+        return data
 
     def _rlimits(self, spec: VMSpec, relax: set[str]) -> dict[str, int]:
         """Per-guest rlimits where no cgroup controller does the job (user-namespace mode)."""
