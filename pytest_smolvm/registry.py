@@ -16,12 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.paths import state_dir
+from pytest_smolvm.paths import runtime_dir, state_dir
 from pytest_smolvm.procs import is_alive, process_start_time
 
+# Backends whose guests are processes and mounts of this host only: their records live in the
+# runtime dir (a tmpfs, gone at reboot with the guests themselves); every other backend's, in
+# the state dir (a smol machine, kept or leaked, outlives the host's boot).
+HOST_BOUND_BACKENDS = frozenset({"namespace"})
 
-def registry_dir() -> Path:
-    return state_dir() / "registry"
+
+def registry_dir(backend: str | None = None) -> Path:
+    return (runtime_dir() if backend in HOST_BOUND_BACKENDS else state_dir()) / "registry"
+
+
+def registry_dirs() -> list[Path]:
+    """Every dir that may hold records: the runtime dir's first (the same dir when both are one)."""
+    return list(dict.fromkeys((registry_dir(next(iter(HOST_BOUND_BACKENDS))), registry_dir())))
 
 
 _OWN_START: dict[str, Any] = {}  # this process's pid and its start time, read once
@@ -49,7 +59,7 @@ class Record:
 
     @property
     def path(self) -> Path:
-        return registry_dir() / f"{self.name}.json"
+        return registry_dir(self.backend) / f"{self.name}.json"
 
     @property
     def owner_alive(self) -> bool:
@@ -61,8 +71,8 @@ class Record:
         Three saves per guest (planned, made, taken by its test), so no work a save need not
         do: the dir is made only when missing, and the fields are flat apart from ``data``.
         """
-        directory = str(registry_dir())
-        tmp = os.path.join(directory, f".{self.name}.{os.getpid()}.tmp")
+        directory = str(registry_dir(self.backend))
+        tmp = os.path.join(directory, f".{self.name}.{os.getpid()}.tmp")  # named so in _nsguest._clean_after_owner too
         payload = json.dumps(vars(self)).encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
@@ -84,10 +94,11 @@ class Record:
             raise
 
     def remove(self) -> None:
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        for directory in registry_dirs():  # wherever it was saved: an older version kept all in one
+            try:
+                (directory / f"{self.name}.json").unlink()
+            except FileNotFoundError:
+                pass
 
 
 def load(path: Path) -> Record | None:
@@ -99,13 +110,15 @@ def load(path: Path) -> Record | None:
 
 
 def records() -> Iterator[Record]:
-    directory = registry_dir()
-    if not directory.is_dir():
-        return
-    for path in sorted(directory.glob("*.json")):
-        record = load(path)
-        if record is not None:
-            yield record
+    seen: set[str] = set()
+    for directory in registry_dirs():
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.json")):
+            record = load(path)
+            if record is not None and record.name not in seen:
+                seen.add(record.name)
+                yield record
 
 
 @dataclass

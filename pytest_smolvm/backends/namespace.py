@@ -28,7 +28,7 @@ from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResul
 from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
-from pytest_smolvm.paths import state_dir
+from pytest_smolvm.paths import runtime_dir
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import process_start_time, wait_gone
 
@@ -431,9 +431,10 @@ class NamespaceBackend:
 
     @functools.cached_property
     def _state(self) -> tuple[Path, str]:
-        """The state dir and its tag, read once per backend: its zygote carries the tag, and
-        every create and record would otherwise read the environment again."""
-        state = state_dir()
+        """The dir of this backend's records and scratch dirs (the runtime dir: nothing of a
+        namespace guest survives a reboot) and its tag, read once per backend: its zygote
+        carries the tag, and every create and record would otherwise read the environment again."""
+        state = runtime_dir()
         return state, cgroups.state_tag(state)
 
     def create(self, spec: VMSpec) -> NamespaceGuest:
