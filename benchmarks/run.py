@@ -5,8 +5,8 @@
     python benchmarks/run.py --only exec,copy
 
 Prints a table, then one JSON line (``BENCH-JSON {...}``). Every figure is a median over repeated
-runs after a warm-up. Everything happens under fresh PYTEST_SMOLVM_STATE_DIR and
-PYTEST_SMOLVM_CACHE_DIR temp dirs, which are removed at the end. See docs/performance.md.
+runs after a warm-up. Everything happens under fresh temp dirs (XDG_STATE_HOME, XDG_RUNTIME_DIR
+on /dev/shm, PYTEST_SMOLVM_CACHE_DIR), which are removed at the end. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def floor_times(cfg: Config, iterations: int) -> list[float]:
     from pytest_smolvm.baseline import resolve, unpack
 
     lower = str(unpack(resolve(None, REPO)).path)
-    floor_dir = cfg.root / "floor"
+    floor_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or cfg.root) / "floor"  # where guests' scratch dirs are
     floor_dir.mkdir(exist_ok=True)
     bpf = cfg.root / "guest-filter.bpf"
     if not bpf.exists():
@@ -412,7 +412,7 @@ def bench_plugin_overhead(cfg: Config) -> list[Figure]:
     suite_dir.mkdir()
     suite = suite_dir / "test_bench.py"
     suite.write_text(SUITE)
-    n, reps = cfg.n(100, 40), cfg.n(3, 2)
+    n, reps = cfg.n(100, 40), cfg.n(5, 2)
     (suite_dir / "conftest.py").write_text(STEADY_CONFTEST)
     out = suite_dir / "steady.json"
     bare_script = str(HERE / "_bare.py")
@@ -428,7 +428,8 @@ def bench_plugin_overhead(cfg: Config) -> list[Figure]:
     force_rmtree(suite_dir)
     method = (f"per item from the end of the first to the end of the last, timed inside the run, N={n}, "
               f"median of {reps} interleaved runs")
-    return [Figure('DESIGN RATIO: pytest test with smol_vm + exec("true")', median(plugin) * 1e3, "ms",
+    per_round = _spread([p / f for p, f in zip(plugin, floors, strict=True)])
+    return [Figure(f'DESIGN RATIO: pytest test with smol_vm + exec("true") ({per_round})', median(plugin) * 1e3, "ms",
                    FLOOR, floor * 1e3, "<= 2x", None,
                    f"{method}; floor: in-process median per iteration, one batch per round"),
             Figure('pytest test with smol_vm + exec("true")', median(plugin) * 1e3, "ms",
@@ -658,10 +659,17 @@ def main() -> None:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
 
     root = Path(tempfile.mkdtemp(prefix="smolvm-bench-"))
-    env = {**os.environ, "PYTEST_SMOLVM_STATE_DIR": str(root / "state"),
-           "PYTEST_SMOLVM_CACHE_DIR": str(root / "cache")}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    os.environ.update({k: env[k] for k in ("PYTEST_SMOLVM_STATE_DIR", "PYTEST_SMOLVM_CACHE_DIR")})
+    # The default layout, in dirs of its own: the state dir on the host's disk and the runtime
+    # dir on a tmpfs, as a user's XDG runtime dir or /run is (not one PYTEST_SMOLVM_STATE_DIR).
+    shm = Path("/dev/shm")
+    runtime = Path(tempfile.mkdtemp(prefix="smolvm-bench-run-", dir=shm if shm.is_dir() else root))
+    isolated = {"XDG_STATE_HOME": str(root / "state"), "XDG_RUNTIME_DIR": str(runtime),
+                "PYTEST_SMOLVM_CACHE_DIR": str(root / "cache")}
+    env = {**os.environ, **isolated}
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_SMOLVM_STATE_DIR"):
+        env.pop(variable, None)
+        os.environ.pop(variable, None)
+    os.environ.update(isolated)
     cfg = Config(args.quick, root, env)
     figures: list[Figure] = []
     started = time.monotonic()
@@ -671,8 +679,10 @@ def main() -> None:
             figures += BENCHES[name](cfg)
             print(f"[{name}: {time.monotonic() - t0:.1f}s]", file=sys.stderr, flush=True)
     finally:
-        leftovers = list((root / "state" / "scratch").glob("*")) if (root / "state" / "scratch").is_dir() else []
+        leftovers = [path for base in (root / "state" / "pytest-smolvm", runtime / "pytest-smolvm")
+                     for path in (base / "scratch").glob("*")]
         force_rmtree(root)
+        force_rmtree(runtime)
     for fig in figures:
         judge(fig)
     print(render(figures))
