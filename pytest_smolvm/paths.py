@@ -3,7 +3,9 @@ runtime dir for what cannot outlive the host's boot anyway."""
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 from pathlib import Path
 
 
@@ -29,16 +31,54 @@ def runtime_dir() -> Path:
     """Records and scratch dirs of guests that are only processes and mounts of this host.
 
     Nothing of such a guest survives a reboot, so neither need its records: they go to a
-    tmpfs (the XDG runtime dir, else ``/run`` for root), where a record's save costs a fifth
-    of what it costs on a disk filesystem (0.034 against 0.19 ms of CPU on ext4 here, three
-    per guest). Guests that outlive the host (smol machines, kept ones included) stay in the
-    state dir. ``PYTEST_SMOLVM_STATE_DIR``, when set, holds both.
+    tmpfs, where a record's save costs a fifth of what it costs on a disk filesystem (0.034
+    against 0.19 ms of CPU on ext4 here, three per guest). The XDG runtime dir if the session
+    has one; else ``/run`` for root where it is a tmpfs; else a dir of this user's own in
+    ``/dev/shm``; else the state dir. Guests that outlive the host (smol machines, kept ones
+    included) stay in the state dir. ``PYTEST_SMOLVM_STATE_DIR``, when set, holds both.
     """
-    if os.environ.get("PYTEST_SMOLVM_STATE_DIR"):
-        return state_dir()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        return Path(runtime) / "pytest-smolvm"
-    if os.geteuid() == 0 and os.path.isdir("/run") and os.access("/run", os.W_OK):
+    return _runtime_dir(os.environ.get("PYTEST_SMOLVM_STATE_DIR"), os.environ.get("XDG_RUNTIME_DIR"),
+                        os.geteuid(), state_dir())
+
+
+@functools.lru_cache(maxsize=8)
+def _runtime_dir(explicit_state: str | None, xdg_runtime: str | None, euid: int, state: Path) -> Path:
+    if explicit_state:
+        return state
+    if xdg_runtime and os.path.isabs(xdg_runtime) and os.path.isdir(xdg_runtime):
+        return Path(xdg_runtime) / "pytest-smolvm"
+    if euid == 0 and _is_tmpfs("/run"):
         return Path("/run/pytest-smolvm")
-    return state_dir()
+    if _is_tmpfs("/dev/shm"):
+        own = _own_private_dir(f"/dev/shm/pytest-smolvm-{euid}", euid)
+        if own is not None:
+            return own
+    return state
+
+
+def _is_tmpfs(path: str) -> bool:
+    """Is ``path`` itself the mount point of a tmpfs (per /proc/self/mounts)?"""
+    try:
+        with open("/proc/self/mounts") as f:
+            return any(fields[1] == path and fields[2] == "tmpfs" for fields in (line.split() for line in f)
+                       if len(fields) > 2)
+    except OSError:
+        return False
+
+
+def _own_private_dir(path: str, euid: int) -> Path | None:
+    """``path`` as a dir only ``euid`` can enter, made if missing; None if anyone else could have
+    made or can change it (/dev/shm is writable by every user: never follow what is there)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != euid or st.st_mode & 0o077:
+        return None
+    return Path(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +39,49 @@ def test_an_explicit_state_dir_holds_everything(monkeypatch: pytest.MonkeyPatch,
     assert runtime_dir() == state_dir() == tmp_path / "one"
 
 
-def test_without_a_runtime_dir_an_unprivileged_user_keeps_the_state_dir(monkeypatch: pytest.MonkeyPatch,
+def test_without_any_tmpfs_the_state_dir_holds_everything(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path) -> None:
     monkeypatch.delenv("PYTEST_SMOLVM_STATE_DIR", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("pytest_smolvm.paths._is_tmpfs", lambda path: False)  # no /run, no /dev/shm
     assert runtime_dir() == state_dir() == tmp_path / "pytest-smolvm"
+
+
+def test_a_shared_tmpfs_dir_is_used_only_if_it_is_ours_alone(tmp_path: Path) -> None:
+    """/dev/shm is writable by every user: what another user planted there is never used."""
+    from pytest_smolvm.paths import _own_private_dir
+
+    euid = os.geteuid()
+    made = _own_private_dir(str(tmp_path / "fresh"), euid)
+    assert made == tmp_path / "fresh" and stat.S_IMODE(made.stat().st_mode) == 0o700
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "planted-link").symlink_to(tmp_path / "elsewhere")
+    assert _own_private_dir(str(tmp_path / "planted-link"), euid) is None
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o755)
+    assert _own_private_dir(str(tmp_path / "open"), euid) is None
+    (tmp_path / "theirs").mkdir(mode=0o700)
+    assert _own_private_dir(str(tmp_path / "theirs"), euid + 1) is None
+    (tmp_path / "a-file").write_text("")
+    assert _own_private_dir(str(tmp_path / "a-file"), euid) is None
+
+
+def test_without_a_session_runtime_dir_a_tmpfs_is_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pytest_smolvm.paths import _is_tmpfs
+
+    monkeypatch.delenv("PYTEST_SMOLVM_STATE_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    found = runtime_dir()
+    if os.geteuid() == 0 and _is_tmpfs("/run"):
+        assert found == Path("/run/pytest-smolvm")
+    elif _is_tmpfs("/dev/shm"):
+        assert found == Path(f"/dev/shm/pytest-smolvm-{os.geteuid()}")
+    else:
+        assert found == tmp_path / "pytest-smolvm"
+    assert not _is_tmpfs(str(tmp_path)) or found != tmp_path / "pytest-smolvm"
 
 
 def test_the_namespace_backend_is_host_bound() -> None:
