@@ -1,21 +1,30 @@
 """The kernel floor: what a confined namespace guest cannot cost less than, with no plugin and no helper.
 
-Run as ``python -I -S _floor.py LOWER WORKDIR N BPF``: a small interpreter, like the backend's
-own zygote. Each iteration: the guest's cgroups with their limits (the backend's own
+Run as ``python -I -S _floor.py LOWER WORKDIR N BPF [guest-mounts]``: a small interpreter, like
+the backend's own zygote. Each iteration: the guest's cgroups with their limits (the backend's own
 ``cgroups.create``: the same mkdirs and writes); fork; join them; unshare
 mount/pid/net/uts/ipc/cgroup; a private tmpfs and an overlay of LOWER; load the seccomp filter
 in BPF (the file the backend would send, compiled by libseccomp); one process spawned as pid 1
 of the new pid namespace; wait; the kernel tears the namespaces down when the forked process
 exits; remove the cgroups. Prints one JSON list: seconds per iteration.
+
+With ``guest-mounts`` the tmpfs and overlay are made by the backend's own code, with
+everything else a hardened guest mounts: its /dev (nodes, links, a /dev/shm tmpfs), its /proc
+with Docker's masked and read-only paths, its hostname and loopback, and the pivot into its
+root (``_nsguest._mount_root`` and ``_enter_root``, loaded from the file: the helper's
+module, in the helper's interpreter, without the package). The /proc is mounted by the
+forked process, not by a pid 1 of the new namespace: the same mounts, made one process up.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pytest_smolvm import cgroups  # standard library only, as the zygote
@@ -37,7 +46,17 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes) -> None:
+def _guest_module() -> Any:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "pytest_smolvm", "backends", "_nsguest.py")
+    spec = importlib.util.spec_from_file_location("_nsguest", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any) -> None:
     os.mkdir(workdir)
     groups = cgroups.create(limits, os.path.basename(workdir), cpus=None, memory_mb=None)
     pid = os.fork()
@@ -47,13 +66,18 @@ def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes) -> None:
                 with open(os.path.join(group, "cgroup.procs"), "wb", buffering=0) as f:
                     f.write(b"0")
             _check(libc.unshare(ctypes.c_int(CLONE_FLAGS)), "unshare")
-            _check(libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC_PRIVATE), None), "mount --make-rprivate")
-            _check(libc.mount(b"floor", workdir.encode(), b"tmpfs", ctypes.c_ulong(0), b"size=64m"), "tmpfs")
-            for sub in ("upper", "work", "root"):
-                os.mkdir(os.path.join(workdir, sub))
-            options = f"lowerdir={lower},upperdir={workdir}/upper,workdir={workdir}/work"
-            _check(libc.mount(b"floor", f"{workdir}/root".encode(), b"overlay", ctypes.c_ulong(0),
-                              options.encode()), "overlay")
+            if guest is not None:
+                req = {"scratch": workdir, "lower": [lower], "userns": False, "disk_mb": 64,
+                       "hostname": "floor", "network": False}
+                guest._enter_root(guest._mount_root(req), req)
+            else:
+                _check(libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC_PRIVATE), None), "mount --make-rprivate")
+                _check(libc.mount(b"floor", workdir.encode(), b"tmpfs", ctypes.c_ulong(0), b"size=64m"), "tmpfs")
+                for sub in ("upper", "work", "root"):
+                    os.mkdir(os.path.join(workdir, sub))
+                options = f"lowerdir={lower},upperdir={workdir}/upper,workdir={workdir}/work"
+                _check(libc.mount(b"floor", f"{workdir}/root".encode(), b"overlay", ctypes.c_ulong(0),
+                                  options.encode()), "overlay")
             if bpf:
                 program = ctypes.create_string_buffer(bpf, len(bpf))
                 fprog = SockFprog(len(bpf) // 8, ctypes.addressof(program))
@@ -77,11 +101,12 @@ def main() -> None:
     lower, base, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with open(sys.argv[4], "rb") as f:
         bpf = f.read()
+    guest = _guest_module() if sys.argv[5:] == ["guest-mounts"] else None
     limits = cgroups.detect()
     times = []
     for i in range(count):
         started = time.perf_counter()
-        one(lower, os.path.join(base, f"floor-{os.getpid()}-{i}"), limits, bpf)
+        one(lower, os.path.join(base, f"floor-{os.getpid()}-{i}"), limits, bpf, guest)
         times.append(time.perf_counter() - started)
     print(json.dumps(times))
 

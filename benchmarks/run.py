@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SH_TRUE = ["/bin/sh", "-c", "true"]
 FLOOR = "kernel floor (cgroups+fork+unshare+overlay+seccomp+spawn)"
+FLOOR_WITH_GUEST_MOUNTS = "kernel floor + the guest's /dev, /proc masks, pivot_root"
 
 
 @dataclass
@@ -153,7 +154,7 @@ def bench_baseline(cfg: Config) -> list[Figure]:
     ]
 
 
-def floor_times(cfg: Config, iterations: int) -> list[float]:
+def floor_times(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[float]:
     """Seconds per iteration of the kernel floor (benchmarks/_floor.py), the first 5 dropped as warm-up.
 
     The floor confines as a guest is confined by default: its cgroups with their limits and the
@@ -169,7 +170,7 @@ def floor_times(cfg: Config, iterations: int) -> list[float]:
     if not bpf.exists():
         bpf.write_bytes(seccomp.guest_filter())
     out = run_checked([sys.executable, "-I", "-S", str(HERE / "_floor.py"), lower, str(floor_dir),
-                       str(iterations + 5), str(bpf)], cfg.env).stdout
+                       str(iterations + 5), str(bpf), *(["guest-mounts"] if guest_mounts else [])], cfg.env).stdout
     return [float(t) for t in json.loads(out)[5:]]
 
 
@@ -418,10 +419,12 @@ def bench_plugin_overhead(cfg: Config) -> list[Figure]:
     bare_script = str(HERE / "_bare.py")
     _pytest_wall(cfg, suite, max(n // 4, 2), [], SMOLVM_BENCH_OUT=str(out))  # warm-up: caches, bytecode
     floors: list[float] = []
+    hardened: list[float] = []
     bare: list[float] = []
     plugin: list[float] = []
     for _ in range(reps):  # interleaved, the floor too: the host drifts by more than the margins
         floors.append(_kernel_floor(cfg, n))
+        hardened.append(median(floor_times(cfg, n, guest_mounts=True)))
         bare.append(_steady(lambda o: run_checked([sys.executable, bare_script, str(n), str(o)], cfg.env, REPO), out))
         plugin.append(_steady(lambda o: _pytest_wall(cfg, suite, n, [], SMOLVM_BENCH_OUT=str(o)), out))
     floor = median(floors)
@@ -432,6 +435,10 @@ def bench_plugin_overhead(cfg: Config) -> list[Figure]:
     return [Figure(f'DESIGN RATIO: pytest test with smol_vm + exec("true") ({per_round})', median(plugin) * 1e3, "ms",
                    FLOOR, floor * 1e3, "<= 2x", None,
                    f"{method}; floor: in-process median per iteration, one batch per round"),
+            Figure(f'  the same against a floor with the guest\'s /dev and masked /proc '
+                   f'({_spread([p / f for p, f in zip(plugin, hardened, strict=True)])})', median(plugin) * 1e3, "ms",
+                   FLOOR_WITH_GUEST_MOUNTS, median(hardened) * 1e3, "(none)", None,
+                   f"{method}; floor: _floor.py guest-mounts, one batch per round"),
             Figure('pytest test with smol_vm + exec("true")', median(plugin) * 1e3, "ms",
                    "bare backend loop (subprocess)", median(bare) * 1e3, "<= 1.15x", None,
                    f"{method}, same method for both")]
