@@ -81,14 +81,13 @@ class _Order(Generic[T]):
 
 
 class Ahead(Generic[T]):
-    """Up to ``depth`` items made ahead, one after another in one background thread, all for one key.
+    """Up to ``depth`` items made ahead at once in background threads, all for one key.
 
     ``take(key)`` returns the oldest item if it was made for ``key`` (waiting for it to finish),
     else None; items for another key, or one that failed, go to ``discard``. ``make``
     failures are not reported here: the caller makes the item itself, and meets them then.
-    One thread, not one per item: the items would queue on one engine (the namespace
-    backend's zygote forks one guest at a time) anyway, and a thread per item costs a thread
-    start and exit per test.
+    ``depth`` threads that live as long as the process, not one thread per item: a thread's
+    start and exit per test is work the tests would wait for.
     """
 
     def __init__(self, discard: Callable[[T], None], depth: int = 1) -> None:

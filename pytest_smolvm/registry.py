@@ -31,7 +31,7 @@ def registry_dir(backend: str | None = None) -> Path:
 
 def registry_dirs() -> list[Path]:
     """Every dir that may hold records: the runtime dir's first (the same dir when both are one)."""
-    return list(dict.fromkeys((registry_dir(next(iter(HOST_BOUND_BACKENDS))), registry_dir())))
+    return list(dict.fromkeys((runtime_dir() / "registry", state_dir() / "registry")))
 
 
 _OWN_START: dict[str, Any] = {}  # this process's pid and its start time, read once

@@ -906,10 +906,10 @@ class _Creating:
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         one_fork = not req["userns"]
-        if one_fork:
-            _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
         pid = -1
         try:
+            if one_fork:
+                _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
             pid = os.fork()
         finally:
             if one_fork and pid != 0:
