@@ -329,6 +329,9 @@ def test_7g_a_guest_tar_that_leaves_a_daemon_on_stdin_does_not_hold_copy_in(vm: 
     worker.start()
     worker.join(60)
     assert not worker.is_alive(), "copy_in still writing into a stream nobody reads"
+    deadline = time.monotonic() + 10  # the fake tar has exited; its daemon may not have exec'd yet
+    while vm.exec("pgrep -x sleep").exit_code != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert vm.exec("pgrep -x sleep").exit_code == 0  # the attack's daemon did hold stdin
     assert outcome == [None] or isinstance(outcome[0], (GuestError, OSError)), outcome
 
