@@ -133,6 +133,7 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
     A guest whose destroy fails keeps its record, so a later reap can try again.
     """
     report = ReapReport()
+    sweep_partial_saves()
     for record in list(records()):
         if not select(record):
             continue
@@ -144,6 +145,23 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
         record.remove()
         report.removed.append(record.name)
     return report
+
+
+def sweep_partial_saves() -> None:
+    """Remove the temp files of saves whose writer died in the middle (``.NAME.PID.tmp``).
+
+    A process killed between a save's open and its rename leaves one, and when its helper was
+    killed too nobody else knows of it. Only dead writers' files: a live process's save is
+    still under way.
+    """
+    for directory in registry_dirs():
+        if not directory.is_dir():
+            continue
+        for path in directory.glob(".*.tmp"):
+            writer = path.name.rsplit(".", 2)[-2]
+            if writer.isdigit() and process_start_time(int(writer)) is None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
 
 def orphaned(record: Record, *, include_kept: bool = False) -> bool:

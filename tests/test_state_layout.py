@@ -134,3 +134,20 @@ def test_a_run_keeps_namespace_records_and_scratch_in_the_runtime_dir(
     """)
     assert pytester.runpytest_subprocess("test_crash.py").ret == -signal.SIGKILL
     assert_host_clean(runtime)
+
+
+def test_a_save_cut_in_half_by_a_dead_writer_is_swept_by_the_reaper(split_dirs: tuple[Path, Path]) -> None:
+    """A pytest killed with its helper in the middle of a save leaves the save's temp file: the
+    next reap removes it, and never the temp file of a save still under way."""
+    from pytest_smolvm import reaper
+
+    runtime, _ = split_dirs
+    (runtime / "registry").mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cut = runtime / "registry" / f".smol-x-main-3.{dead.pid}.tmp"
+    under_way = runtime / "registry" / f".smol-x-main-4.{os.getpid()}.tmp"
+    for path in (cut, under_way):
+        path.write_text("{")
+    reaper.reap_orphans()
+    assert not cut.exists() and under_way.exists()
