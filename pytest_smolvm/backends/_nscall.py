@@ -186,11 +186,13 @@ class _Call:
         return both
 
     def _wake(self) -> None:
+        # From another thread (a Cancel), maybe while the call is ending: a full pipe, or one
+        # whose reader is gone, means nobody needs waking.
         with self.wake_lock:
             if self.wake_w >= 0:
                 try:
                     os.write(self.wake_w, b"x")
-                except BlockingIOError:
+                except (BlockingIOError, BrokenPipeError):
                     pass
 
     def kill(self) -> None:
@@ -304,11 +306,11 @@ class _Call:
                 return
 
     def close(self) -> None:
-        for fd in (self.in_w, self.out_r, self.err_r, self.wake_r):
-            if fd >= 0:
-                os.close(fd)
-        with self.wake_lock:
+        with self.wake_lock:  # first: a late _wake then finds no pipe, never half of one
             if self.wake_w >= 0:
                 os.close(self.wake_w)
             self.wake_w = -1
+        for fd in (self.in_w, self.out_r, self.err_r, self.wake_r):
+            if fd >= 0:
+                os.close(fd)
         self.status.close()
