@@ -117,6 +117,9 @@ def test_default_user_applies_to_exec_and_every_file_operation(make_guest: MakeG
         vm.write_file("/home/agent/mine.txt", "overwrite")  # a read-only file stays read-only
     with pytest.raises(PermissionError):
         vm.copy_out("/root", tmp_path / "root-tree")
+    vm.exec("mkdir /srv/t && echo s > /srv/t/secret && chmod 600 /srv/t/secret", user="root", check=True)
+    with pytest.raises(PermissionError):
+        vm.copy_out("/srv/t", tmp_path / "half-readable")  # the guest's tar is refused the file
     src = tmp_path / "src"
     src.mkdir()
     (src / "f").write_text("f\n")
