@@ -29,7 +29,6 @@ from pytest_smolvm import baseline as baselines
 from pytest_smolvm import reaper
 from pytest_smolvm.backends import Backend, BackendOptions, VMSpec, backend_class, spec_from_json, spec_to_json
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.oci import pin_registry_image
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.settings import Settings
 
@@ -133,10 +132,8 @@ class Planner:
         settings = self.settings
         selection = select_backend(settings.backend, settings.target)
         cls = backend_class(selection.name)
-        default = pin_registry_image(
-            baselines.resolve(settings.baseline, settings.rootdir, option=settings.baseline_option),
-            settings, selection.name, option=settings.baseline_option, run_id=self.run_id)
-        cls.check_baseline(default, option=settings.baseline_option)
+        default = resolve_baseline(settings.baseline, settings, selection.name,
+                                   option=settings.baseline_option, run_id=self.run_id)
         reaper.reap_dead(cls)  # what dead runs left, now that we know this run uses guests
         backend = cls(BackendOptions(target=settings.target, labels={"run": self.run_id, "worker": self.worker}))
         try:
@@ -156,6 +153,19 @@ class Planner:
         """Release the run-wide backend (after every worker is done); returns problems, never raises."""
         backend, self.backend = self.backend, None
         return _close_quietly(backend) if backend is not None else []
+
+
+def resolve_baseline(requested: str | None, settings: Settings, backend: str, *, option: str,
+                     run_id: str) -> baselines.Baseline:
+    """``requested`` as ``backend`` will use it: resolved, pinned and pulled if it is a registry
+    image, and checked; a bad one is a UsageError naming ``option``."""
+    found = baselines.resolve(requested, settings.rootdir, option=option)
+    if found.kind == "registry":  # the OCI client's imports (urllib, ssl: ~50 ms) only for an image
+        from pytest_smolvm.oci import pin_registry_image
+
+        found = pin_registry_image(found, settings, backend, option=option, run_id=run_id)
+    backend_class(backend).check_baseline(found, option=option)
+    return found
 
 
 def _close_quietly(backend: Backend) -> list[str]:

@@ -26,14 +26,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_smolvm import baseline as baselines
 from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
 from pytest_smolvm.background import Ahead, Teardown
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.oci import pin_registry_image
-from pytest_smolvm.plan import Planner, PlanSource, RunPlan
+from pytest_smolvm.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
 from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
@@ -123,11 +121,8 @@ class GuestPool:
         if image is None:
             return self.plan.baseline
         if image not in self._baselines:
-            option = "@pytest.mark.smol(image)"
-            resolved = pin_registry_image(baselines.resolve(image, self.settings.rootdir, option=option),
-                                          self.settings, self.plan.backend, option=option, run_id=self.run_id)
-            backend_class(self.plan.backend).check_baseline(resolved, option=option)
-            self._baselines[image] = resolved
+            self._baselines[image] = resolve_baseline(image, self.settings, self.plan.backend,
+                                                      option="@pytest.mark.smol(image)", run_id=self.run_id)
         return self._baselines[image]
 
     def new_name(self) -> str:
