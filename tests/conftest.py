@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_smolvm.baseline import force_rmtree
 from tests.leaks import assert_host_clean
 
 pytest_plugins = ["pytester", "tests.registry_fixtures"]
@@ -28,13 +29,16 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def smol_engine_home() -> Iterator[Path]:
     """One short XDG home for the smol engine, whatever HOME pytester gives a run.
 
     The engine keeps sockets under its cache dir (a 107-byte path limit) and unpacks its guest
-    rootfs once per cache dir: a fresh HOME per run would pay that every time.
+    rootfs once per cache dir: a fresh HOME per run would pay that every time. Removed at the
+    end of the session: that rootfs is ~36 MB, and every session (every xdist worker) has one.
     """
-    return Path(tempfile.mkdtemp(prefix="smolx-"))
+    home = Path(tempfile.mkdtemp(prefix="smolx-"))
+    yield home
+    force_rmtree(home)
 
 
 @pytest.fixture
