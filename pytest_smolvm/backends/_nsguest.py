@@ -1121,7 +1121,7 @@ def _shed_boot_memory() -> None:
     gc.collect()
     trim = getattr(_libc, "malloc_trim", None)  # glibc's; other C libraries may not have it
     if trim is not None:
-        trim(0)
+        trim(ctypes.c_size_t(0))
 
 
 if __name__ == "__main__":
