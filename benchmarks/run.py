@@ -88,6 +88,34 @@ def wall(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float
 
 
 @contextmanager
+def bench_dirs(quick: bool) -> Iterator[Config]:
+    """Fresh state, runtime and cache dirs for one benchmark session, removed at its end.
+
+    The default layout, in dirs of its own: the state dir on the host's disk and the runtime
+    dir on a tmpfs, as a user's XDG runtime dir or /run is (not one PYTEST_SMOLVM_STATE_DIR).
+    """
+    root = Path(tempfile.mkdtemp(prefix="smolvm-bench-"))
+    shm = Path("/dev/shm")
+    runtime = Path(tempfile.mkdtemp(prefix="smolvm-bench-run-", dir=shm if shm.is_dir() else root))
+    isolated = {"XDG_STATE_HOME": str(root / "state"), "XDG_RUNTIME_DIR": str(runtime),
+                "PYTEST_SMOLVM_CACHE_DIR": str(root / "cache")}
+    env = {**os.environ, **isolated}
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_SMOLVM_STATE_DIR"):
+        env.pop(variable, None)
+        os.environ.pop(variable, None)
+    os.environ.update(isolated)
+    try:
+        yield Config(quick, root, env)
+    finally:
+        leftovers = [path for base in (root / "state" / "pytest-smolvm", runtime / "pytest-smolvm")
+                     for path in (base / "scratch").glob("*")]
+        force_rmtree(root)
+        force_rmtree(runtime)
+        if leftovers:
+            print(f"WARNING: {len(leftovers)} scratch dirs were left behind", file=sys.stderr)
+
+
+@contextmanager
 def backend_session() -> Iterator[tuple[Any, Any]]:
     from pytest_smolvm.backends.namespace import NamespaceBackend
     from pytest_smolvm.baseline import resolve
@@ -290,18 +318,35 @@ def test_vm(smol_vm, i):
     smol_vm.exec("true")
 """
 
-# A little CPU work in the guest per test (~25 ms of shell arithmetic on these hosts).
-SCALING_SUITE = """
+# A little CPU work in the guest per test: ~30 ms of the baseline's busybox shell arithmetic on
+# these hosts (the host's dash does the same loop in ~18 ms, so the raw suite runs busybox too).
+SCALING_WORK = """
 import os
 import pytest
 
 N = int(os.environ["SMOLVM_BENCH_N"])
 WORK = "i=0; while [ $i -lt 12000 ]; do i=$((i+1)); done; echo $i"
+"""
 
+SCALING_SUITE = SCALING_WORK + """
 
 @pytest.mark.parametrize("i", range(N))
 def test_vm(smol_vm, i):
     assert smol_vm.exec(WORK).stdout == "12000\\n"
+"""
+
+# The same work with no isolation at all: the baseline's own shell, run by subprocess on the host
+# through the baseline's musl loader (SMOLVM_BENCH_SH, a JSON argv prefix).
+SCALING_RAW_SUITE = SCALING_WORK + """
+import json
+import subprocess
+
+SH = json.loads(os.environ["SMOLVM_BENCH_SH"])
+
+
+@pytest.mark.parametrize("i", range(N))
+def test_raw(i):
+    assert subprocess.run([*SH, "-c", WORK], capture_output=True, text=True).stdout == "12000\\n"
 """
 
 # Eval-shaped: small shell programs, each graded against its expected output. The isolated
@@ -511,30 +556,48 @@ def _spread(values: list[float]) -> str:
     return f"median {median(values):.2f}, min {min(values):.2f}, max {max(values):.2f} over {len(values)} rounds"
 
 
+def baseline_shell() -> list[str]:
+    """argv that runs the default baseline's busybox sh on the host, unconfined, through its own loader."""
+    from pytest_smolvm.baseline import resolve, unpack
+
+    rootfs = unpack(resolve(None, REPO)).path
+    loaders = sorted((rootfs / "lib").glob("ld-musl-*.so.1"))
+    if not loaders:
+        raise SystemExit(f"scaling: no musl loader under {rootfs}/lib to run the baseline's shell on the host")
+    return [str(loaders[0]), "--library-path", str(rootfs / "lib"), str(rootfs / "bin" / "busybox"), "sh"]
+
+
 def bench_scaling(cfg: Config) -> list[Figure]:
-    """-n 2 over -n 1 on a suite of guest tests that each do a little CPU work, in interleaved rounds."""
+    """-n 2 over -n 1 on guest tests that each do a little CPU work, next to the same work unisolated."""
     suite_dir = cfg.root / "scaling"
     suite_dir.mkdir()
-    suite = suite_dir / "test_scaling.py"
-    suite.write_text(SCALING_SUITE)
+    guests = suite_dir / "test_scaling.py"
+    guests.write_text(SCALING_SUITE)
+    raw = suite_dir / "test_raw.py"
+    raw.write_text(SCALING_RAW_SUITE)
     (suite_dir / "conftest.py").write_text(STEADY_CONFTEST)
     out = suite_dir / "steady.json"
+    shell = json.dumps(baseline_shell())
     n, rounds = cfg.n(200, 60), cfg.n(3, 1)
-    _pytest_wall(cfg, suite, n // 4, ["-n", "2"], SMOLVM_BENCH_OUT=str(out))  # warm-up
-    one: list[float] = []
-    two: list[float] = []
+    _pytest_wall(cfg, guests, n // 4, ["-n", "2"], SMOLVM_BENCH_OUT=str(out))  # warm-up
+    rates: dict[tuple[Path, str], list[float]] = {(suite, w): [] for suite in (guests, raw) for w in ("1", "2")}
     for _ in range(rounds):
-        for sink, workers in ((one, "1"), (two, "2")):
+        for (suite, workers), sink in rates.items():
             # Throughput once running, as the controller hears the tests end (see _steady); the
-            # lambda is called at once, so the loop variable it reads is the current one.
+            # lambda is called at once, so the loop variables it reads are the current ones.
             sink.append(1 / _steady(lambda o: _pytest_wall(cfg, suite, n, ["-n", workers],  # noqa: B023
-                                                           SMOLVM_BENCH_OUT=str(o)), out))
+                                                           SMOLVM_BENCH_OUT=str(o), SMOLVM_BENCH_SH=shell), out))
     force_rmtree(suite_dir)
-    speedups = [b / a for a, b in zip(one, two, strict=True)]
-    return [Figure(f"scaling -n 2 over -n 1 ({_spread(speedups)})", median(two), "tests/s", "-n 1",
-                   median(one), ">= 1.7x", None,
-                   f"{n} guest tests, each a ~25 ms shell loop in the guest; tests per second from the end "
-                   f"of the first to the end of the last, timed in the run; interleaved rounds; ratio of the medians")]
+    figures = []
+    for suite, name, target in ((guests, "scaling -n 2 over -n 1", ">= 1.7x"),
+                                (raw, "  same work unisolated (the baseline's sh on the host)", "")):
+        one, two = rates[(suite, "1")], rates[(suite, "2")]
+        speedups = [b / a for a, b in zip(one, two, strict=True)]
+        figures.append(Figure(f"{name} ({_spread(speedups)})", median(two), "tests/s", "-n 1", median(one), target,
+                              None, f"{n} tests, each a ~30 ms busybox shell loop; tests per second from the end "
+                              f"of the first to the end of the last, timed in the run; interleaved rounds; "
+                              f"ratio of the medians"))
+    return figures
 
 
 def bench_eval(cfg: Config) -> list[Figure]:
@@ -665,37 +728,17 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
 
-    root = Path(tempfile.mkdtemp(prefix="smolvm-bench-"))
-    # The default layout, in dirs of its own: the state dir on the host's disk and the runtime
-    # dir on a tmpfs, as a user's XDG runtime dir or /run is (not one PYTEST_SMOLVM_STATE_DIR).
-    shm = Path("/dev/shm")
-    runtime = Path(tempfile.mkdtemp(prefix="smolvm-bench-run-", dir=shm if shm.is_dir() else root))
-    isolated = {"XDG_STATE_HOME": str(root / "state"), "XDG_RUNTIME_DIR": str(runtime),
-                "PYTEST_SMOLVM_CACHE_DIR": str(root / "cache")}
-    env = {**os.environ, **isolated}
-    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_SMOLVM_STATE_DIR"):
-        env.pop(variable, None)
-        os.environ.pop(variable, None)
-    os.environ.update(isolated)
-    cfg = Config(args.quick, root, env)
     figures: list[Figure] = []
     started = time.monotonic()
-    try:
+    with bench_dirs(args.quick) as cfg:
         for name in chosen:
             t0 = time.monotonic()
             figures += BENCHES[name](cfg)
             print(f"[{name}: {time.monotonic() - t0:.1f}s]", file=sys.stderr, flush=True)
-    finally:
-        leftovers = [path for base in (root / "state" / "pytest-smolvm", runtime / "pytest-smolvm")
-                     for path in (base / "scratch").glob("*")]
-        force_rmtree(root)
-        force_rmtree(runtime)
     for fig in figures:
         judge(fig)
     print(render(figures))
     print(f"(total {time.monotonic() - started:.0f}s, {os.cpu_count()} CPUs, {'quick' if args.quick else 'full'})")
-    if leftovers:
-        print(f"WARNING: {len(leftovers)} scratch dirs were left behind", file=sys.stderr)
     print("BENCH-JSON " + json.dumps({"quick": args.quick, "figures": [
         {**asdict(f), "ratio": f.ratio} for f in figures]}))
 
