@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,10 @@ def wall(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float
 # ------------------------------------------------------------------------------ in-process helpers
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def bench_dirs(quick: bool) -> Iterator[Config]:
     """Fresh state, runtime and cache dirs for one benchmark session, removed at its end.
@@ -104,9 +109,12 @@ def bench_dirs(quick: bool) -> Iterator[Config]:
         env.pop(variable, None)
         os.environ.pop(variable, None)
     os.environ.update(isolated)
+    # Stopped by `timeout` or a job control SIGTERM, the dirs go too (by default it kills at once).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield Config(quick, root, env)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         leftovers = [path for base in (root / "state" / "pytest-smolvm", runtime / "pytest-smolvm")
                      for path in (base / "scratch").glob("*")]
         force_rmtree(root)
