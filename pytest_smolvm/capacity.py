@@ -7,10 +7,12 @@ process that dies releases its slots with it: a crash can never leak capacity.
 from __future__ import annotations
 
 import time
-
-from filelock import FileLock, Timeout
+from typing import TYPE_CHECKING
 
 from pytest_smolvm.paths import state_dir
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 POLL_SECONDS = 0.02
 
@@ -25,6 +27,8 @@ class Slot:
 
 def acquire(max_vms: int) -> Slot:
     """Wait (as long as it takes: the wait shows in the test's duration) for a free slot."""
+    from filelock import FileLock, Timeout  # only runs with a cap import it (~16 ms)
+
     directory = state_dir() / "slots"
     directory.mkdir(parents=True, exist_ok=True)
     locks = [FileLock(str(directory / f"slot-{i}.lock"), thread_local=False) for i in range(max_vms)]

@@ -69,6 +69,39 @@ def test_the_plan_is_made_when_the_first_guest_is_asked_for(pytester: pytest.Pyt
                                  "smolvm: baseline bundled alpine (bundled, sha256:*"])
 
 
+FILELOCK_SEEN_CONFTEST = """
+import os, sys
+
+def pytest_unconfigure(config):
+    worker = getattr(config, "workerinput", {}).get("workerid", "controller")
+    with open(os.environ["SMOLVM_TEST_SEEN"], "a") as f:
+        f.write(f"{worker} {'filelock' in sys.modules}\\n")
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "n2"])
+def test_a_run_after_the_hosts_first_never_imports_filelock(pytester: pytest.Pytester, smol_state: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                            workers: list[str]) -> None:
+    """filelock guards a host's first unpack of a baseline (and its first probe); every later run
+    finds both done and skips its import, ~16 ms on the way to the first guest, in every process."""
+    seen = tmp_path / "seen"
+    monkeypatch.setenv("SMOLVM_TEST_SEEN", str(seen))
+    pytester.makeconftest(FILELOCK_SEEN_CONFTEST)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(2))
+        def test_a_guest(smol_vm, i):
+            assert smol_vm.exec("true").exit_code == 0
+    """)
+    pytester.runpytest_subprocess("-p", "no:randomly", *workers).assert_outcomes(passed=2)  # the host's first
+    seen.unlink()
+    pytester.runpytest_subprocess("-p", "no:randomly", *workers).assert_outcomes(passed=2)
+    lines = sorted(seen.read_text().splitlines())
+    assert lines == (["controller False", "gw0 False", "gw1 False"] if workers else ["controller False"])
+
+
 WORKERS_DIFFER_CONFTEST = """
 import os
 from pathlib import Path
