@@ -1,8 +1,8 @@
 """The namespace backend's helper process: a zygote that forks guests, and the guest's init.
 
 This file runs as its own interpreter, started once per pytest process with an explicit,
-minimal environment and an argv that names no host path (its source comes on stdin: the
-guest can read its init's ``/proc/1/cmdline``). It imports only the standard library, and
+minimal environment and an argv that names no host path (its code comes on stdin, compiled
+by the host: the guest can read its init's ``/proc/1/cmdline``). It imports only the standard library, and
 imports all of it *before* any guest exists: a guest's init pivots into the guest's root,
 after which nothing from the host's filesystem (``sys.path`` included) can be imported.
 
