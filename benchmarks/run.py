@@ -6,12 +6,14 @@
 
 Prints a table, then one JSON line (``BENCH-JSON {...}``). Every figure is a median over repeated
 runs after a warm-up. Everything happens under fresh temp dirs (XDG_STATE_HOME, XDG_RUNTIME_DIR
-on /dev/shm, PYTEST_SMOLVM_CACHE_DIR), which are removed at the end. See docs/performance.md.
+on /dev/shm, PYTEST_SMOLVM_CACHE_DIR), which are removed at the end; the plugin is byte-compiled
+first, as pip installs it. See docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import signal
@@ -99,6 +101,12 @@ def bench_dirs(quick: bool) -> Iterator[Config]:
     The default layout, in dirs of its own: the state dir on the host's disk and the runtime
     dir on a tmpfs, as a user's XDG runtime dir or /run is (not one PYTEST_SMOLVM_STATE_DIR).
     """
+    # As pip leaves an installed package: byte-compiled. Without this, a tree whose edits (or a
+    # PYTHONDONTWRITEBYTECODE host) left stale caches compiles the plugin in every process of
+    # every run, and the figures drift with the state of the tree (~20-40 ms per process here).
+    import pytest_smolvm
+
+    compileall.compile_dir(Path(pytest_smolvm.__file__).parent, quiet=1)
     root = Path(tempfile.mkdtemp(prefix="smolvm-bench-"))
     shm = Path("/dev/shm")
     runtime = Path(tempfile.mkdtemp(prefix="smolvm-bench-run-", dir=shm if shm.is_dir() else root))
