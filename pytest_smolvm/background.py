@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -131,3 +131,53 @@ class Ahead(Generic[T]):
             made = order.result()
             if made is not None:
                 self._discard(made)
+
+
+class Bounded:
+    """Runs calls one at a time, each within a time bound, on a daemon thread kept between calls.
+
+    A thread because a call the engine never answers (a hung destroy) must not hold its caller,
+    and the signals it defers, forever: past the bound the call is left to its thread. A kept
+    one because starting a thread per call cost ~0.15 ms of CPU here, once per guest. A thread
+    left with a call past its bound is never given another: the next call starts a new one.
+    One per calling thread: a call never waits behind another thread's.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+
+    def run(self, call: Callable[[], T], timeout: float) -> tuple[bool, T | None]:
+        """``(True, call())`` if it returned within ``timeout`` seconds, else ``(False, None)``;
+        what it raised within the bound is raised here."""
+        if self._jobs is None:
+            jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(jobs,), name=self._name, daemon=True).start()
+            self._jobs = jobs
+        job = _Job(call)
+        self._jobs.put(job)
+        if not job.done.wait(timeout):
+            self._jobs.put(None)  # the stuck thread ends once its call returns, if ever
+            self._jobs = None
+            return False, None
+        if job.error is not None:
+            raise job.error
+        return True, job.result
+
+
+class _Job:
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    while (job := jobs.get()) is not None:
+        try:
+            job.result = job.call()
+        except BaseException as exc:  # the caller's to handle; this thread serves the next call
+            job.error = exc
+        finally:
+            job.done.set()

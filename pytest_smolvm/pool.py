@@ -28,7 +28,7 @@ from typing import Any
 
 from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
-from pytest_smolvm.background import Ahead, Teardown
+from pytest_smolvm.background import Ahead, Bounded, Teardown
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import ProvisionError, UsageError
 from pytest_smolvm.plan import Planner, PlanSource, RunPlan, resolve_baseline
@@ -340,28 +340,29 @@ class GuestPool:
         return []
 
 
+_destroyers = threading.local()  # each thread's background.Bounded for destroys
+
+
 def _bounded(action: Any, attempts: int, timeout: float) -> str | None:
     """Run ``action`` up to ``attempts`` times within ``timeout`` seconds; None or the last error.
 
-    It runs in a daemon thread: a delete the engine never answers must not hold the test
-    process (and its blocked signals) forever. Past the bound the guest is left to the reaper.
+    It runs on a daemon thread (background.Bounded): a delete the engine never answers must not
+    hold the test process (and its blocked signals) forever. Past the bound the guest is left
+    to the reaper.
     """
-    outcome: list[str | None] = []
 
-    def attempt_all() -> None:
+    def attempt_all() -> str | None:
         error: str | None = None
         for _ in range(attempts):
             try:
                 action()
-                outcome.append(None)
-                return
+                return None
             except Exception as exc:  # a failed destroy must never replace the test's outcome
                 error = f"{type(exc).__name__}: {exc}"
-        outcome.append(error)
+        return error
 
-    worker = threading.Thread(target=attempt_all, name="smolvm-destroy", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not outcome:
-        return f"destroy did not finish within {timeout:g}s"
-    return outcome[0]
+    runner = getattr(_destroyers, "runner", None)
+    if runner is None:
+        runner = _destroyers.runner = Bounded("smolvm-destroy")
+    finished, error = runner.run(attempt_all, timeout)
+    return error if finished else f"destroy did not finish within {timeout:g}s"

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.background import Ahead
+from pytest_smolvm.background import Ahead, Bounded
 from pytest_smolvm.pool import READY_TEST_ID
 
 CORES = len(os.sched_getaffinity(0))
@@ -197,3 +198,48 @@ def test_ahead_failures_are_left_to_the_caller() -> None:
     ahead: Ahead[int] = Ahead(lambda item: None, depth=1)
     ahead.start("k", broken)
     assert ahead.take("k") is None  # the caller makes its own guest and meets the error then
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_bounded_calls_share_one_kept_thread() -> None:
+    """A thread start per destroy was ~0.15 ms of CPU a guest: the runner keeps its thread."""
+    bounded = Bounded("test-bounded")
+    first, second = bounded.run(threading.get_ident, 10), bounded.run(threading.get_ident, 10)
+    assert first[0] and second[0] and first[1] == second[1] != threading.get_ident()
+
+
+def test_bounded_raises_what_the_call_raised_and_keeps_serving() -> None:
+    bounded = Bounded("test-bounded")
+    before = bounded.run(threading.get_ident, 10)
+
+    def broken() -> None:
+        raise RuntimeError("engine down")
+
+    with pytest.raises(RuntimeError, match="engine down"):
+        bounded.run(broken, 10)
+    assert bounded.run(threading.get_ident, 10) == before
+
+
+def test_a_bounded_call_past_its_bound_is_left_to_its_thread_and_the_next_gets_a_new_one() -> None:
+    bounded = Bounded("test-bounded")
+    release = threading.Event()
+    stuck_thread: list[threading.Thread] = []
+
+    def hang() -> str:
+        stuck_thread.append(threading.current_thread())
+        release.wait(30)
+        return "late"
+
+    assert bounded.run(hang, 0.2) == (False, None)
+    finished, ident = bounded.run(threading.get_ident, 10)
+    assert finished and ident != stuck_thread[0].ident  # not queued behind the stuck call
+    release.set()
+    assert _wait_until(lambda: not stuck_thread[0].is_alive())  # and the stuck thread ends once free
