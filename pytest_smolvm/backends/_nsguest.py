@@ -2,9 +2,10 @@
 
 This file runs as its own interpreter, started once per pytest process with an explicit,
 minimal environment and an argv that names no host path (its code comes on stdin, compiled
-by the host: the guest can read its init's ``/proc/1/cmdline``). It imports only the standard library, and
-imports all of it *before* any guest exists: a guest's init pivots into the guest's root,
-after which nothing from the host's filesystem (``sys.path`` included) can be imported.
+by the host: the guest can read its init's ``/proc/1/cmdline``). It imports only the
+standard library, and imports all of it *before* any guest exists: a guest's init pivots
+into the guest's root, after which nothing from the host's filesystem (``sys.path``
+included) can be imported.
 
 What confines a guest (see docs/security.md): namespaces (mount, pid, net, uts, ipc, cgroup,
 and user when not root), a cgroup of its own, a seccomp filter the host compiled with
