@@ -514,7 +514,7 @@ def bench_unused_plugin(cfg: Config) -> list[Figure]:
     suite_dir.mkdir()
     suite = suite_dir / "test_plain.py"
     suite.write_text(PLAIN_SUITE)
-    reps = cfg.n(4, 3)  # 4, not 5: the unisolated scaling suite took the time (5-minute budget)
+    reps = cfg.n(3, 2)  # 3, not 5: the unisolated scaling suite took the time (5-minute budget)
     figures = []
     for label, extra, budget in (("serial", [], 60), ("-n 2", ["-n", "2"], 150)):
         with_plugin: list[float] = []
