@@ -14,6 +14,11 @@ with Docker's masked and read-only paths, its hostname and loopback, and the piv
 root (``_nsguest._mount_root`` and ``_enter_root``, loaded from the file: the helper's
 module, in the helper's interpreter, without the package). The /proc is mounted by the
 forked process, not by a pid 1 of the new namespace: the same mounts, made one process up.
+
+``python -I -S _floor.py serve LOWER WORKDIR BPF ARGV...`` serves iterations with the guest's
+mounts, one per line read on stdin, whose pid 1 runs ARGV inside the guest's root and whose
+output (a pipe's worth at most) is written back as one line: a hardened namespace per test with
+no plugin and no guest helper, for benchmarks/scaling_floor.py.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ def _guest_module() -> Any:
     return module
 
 
-def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any) -> None:
+def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any,
+        argv: tuple[str, ...] = ("/bin/true",), stdout_fd: int | None = None) -> None:
     os.mkdir(workdir)
     groups = cgroups.create(limits, os.path.basename(workdir), cpus=None, memory_mb=None)
     pid = os.fork()
@@ -83,7 +89,8 @@ def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any
                 fprog = SockFprog(len(bpf) // 8, ctypes.addressof(program))
                 _check(libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER),
                                   ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp")
-            child = os.posix_spawn("/bin/true", ["true"], {})  # pid 1 of the new pid namespace
+            actions = [(os.POSIX_SPAWN_DUP2, stdout_fd, 1)] if stdout_fd is not None else []
+            child = os.posix_spawn(argv[0], list(argv), {}, file_actions=actions)  # pid 1 of the new pid namespace
             os.waitpid(child, 0)
             os._exit(0)
         except BaseException as exc:
@@ -97,7 +104,24 @@ def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any
     os.rmdir(workdir)
 
 
+def serve(lower: str, base: str, bpf: bytes, argv: tuple[str, ...]) -> None:
+    guest, limits = _guest_module(), cgroups.detect()
+    for i, _request in enumerate(sys.stdin):
+        read_end, write_end = os.pipe()
+        try:
+            one(lower, os.path.join(base, f"floor-{os.getpid()}-{i}"), limits, bpf, guest, argv, write_end)
+        finally:
+            os.close(write_end)
+        with os.fdopen(read_end, "rb") as output:
+            sys.stdout.write(json.dumps(output.read().decode(errors="replace")) + "\n")
+        sys.stdout.flush()
+
+
 def main() -> None:
+    if sys.argv[1] == "serve":
+        with open(sys.argv[4], "rb") as f:
+            serve(sys.argv[2], sys.argv[3], f.read(), tuple(sys.argv[5:]))
+        return
     lower, base, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with open(sys.argv[4], "rb") as f:
         bpf = f.read()
