@@ -14,7 +14,13 @@ gives every sample taken while tests ran to the role of the process it hit:
 and prints CPU milliseconds per test for each, and for the guest side the kernel work it spent
 them in. Needs perf(1) and system-wide sampling (root, or kernel.perf_event_paranoid <= -1).
 Sampling with call graphs costs CPU of its own (~10-15% here): compare rows within one run,
-not with benchmarks/run.py's times. Never part of the test command.
+not with benchmarks/run.py's times.
+
+First, without perf: the CPU of one guest on all its processes (getrusage of the processes and
+everything they reaped) for the issue's kernel floor, the floor with the guest's mounts, and the
+backend's bare loop (create, exec "true", destroy; no pytest, no records), each as the
+difference between a run of 250 and one of 50, so start-up cancels out. Kernel threads
+(network-namespace teardown) are in none of these. Never part of the test command.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import argparse
 import collections
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,14 +167,45 @@ def attribute(samples: list[Sample], parent: dict[int, int], perf_pid: int) -> P
                    [(k, n * per_test) for k, n in kernel.most_common(8)])
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_per_guest(cfg: bench.Config, rounds: int = 3) -> dict[str, list[float]]:
+    """ms of CPU per guest on all its processes, per interleaved round (see the module's docstring)."""
+    few, many = 50, 250
+    out = cfg.root / "bare.json"
+    commands: dict[str, Callable[[int], list[str]]] = {
+        "issue's kernel floor": lambda n: bench.floor_command(cfg, n),
+        "floor with the guest's mounts": lambda n: bench.floor_command(cfg, n, guest_mounts=True),
+        "backend's bare loop (+ exec of sh)": lambda n: [sys.executable, str(HERE / "_bare.py"), str(n), str(out)],
+    }
+    found: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, command in commands.items():
+            spent = []
+            for n in (few, many):
+                before = _children_cpu()
+                bench.run_checked(command(n), cfg.env, bench.REPO)
+                spent.append(_children_cpu() - before)
+            found[name].append((spent[1] - spent[0]) / (many - few) * 1e3)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tests", type=int, default=300, help="tests per suite (default 300)")
     args = parser.parse_args()
     if args.tests < 60:
         parser.error("--tests: at least 60, so that a few seconds of tests run between start-up and the summary")
+    with bench.bench_dirs(quick=False) as cfg:
+        print(f"{'CPU ms per guest, all its processes':40s} {'median':>8s}  rounds")
+        for name, per_round in cpu_per_guest(cfg).items():
+            print(f"{name:40s} {bench.median(per_round):8.2f}  {', '.join(f'{v:.2f}' for v in per_round)}")
+        print(flush=True)
     if shutil.which("perf") is None:
-        raise SystemExit("cpu_profile: needs perf(1) (linux-perf / linux-tools) on PATH")
+        raise SystemExit("cpu_profile: the rest needs perf(1) (linux-perf / linux-tools) on PATH")
     profiles: dict[str, Profile] = {}
     with bench.bench_dirs(quick=False) as cfg:
         suite_dir = cfg.root / "profile"

@@ -198,12 +198,8 @@ def bench_baseline(cfg: Config) -> list[Figure]:
     ]
 
 
-def floor_times(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[float]:
-    """Seconds per iteration of the kernel floor (benchmarks/_floor.py), the first 5 dropped as warm-up.
-
-    The floor confines as a guest is confined by default: its cgroups with their limits and the
-    same seccomp filter, so the ratio against it is what the plugin adds, not what hardening costs.
-    """
+def floor_command(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[str]:
+    """argv of benchmarks/_floor.py for ``iterations`` (plus 5 of warm-up), on the guests' tmpfs."""
     from pytest_smolvm import seccomp
     from pytest_smolvm.baseline import resolve, unpack
 
@@ -213,8 +209,17 @@ def floor_times(cfg: Config, iterations: int, guest_mounts: bool = False) -> lis
     bpf = cfg.root / "guest-filter.bpf"
     if not bpf.exists():
         bpf.write_bytes(seccomp.guest_filter())
-    out = run_checked([sys.executable, "-I", "-S", str(HERE / "_floor.py"), lower, str(floor_dir),
-                       str(iterations + 5), str(bpf), *(["guest-mounts"] if guest_mounts else [])], cfg.env).stdout
+    return [sys.executable, "-I", "-S", str(HERE / "_floor.py"), lower, str(floor_dir), str(iterations + 5), str(bpf),
+            *(["guest-mounts"] if guest_mounts else [])]
+
+
+def floor_times(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[float]:
+    """Seconds per iteration of the kernel floor (benchmarks/_floor.py), the first 5 dropped as warm-up.
+
+    The floor confines as a guest is confined by default: its cgroups with their limits and the
+    same seccomp filter, so the ratio against it is what the plugin adds, not what hardening costs.
+    """
+    out = run_checked(floor_command(cfg, iterations, guest_mounts), cfg.env).stdout
     return [float(t) for t in json.loads(out)[5:]]
 
 
