@@ -24,7 +24,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -142,16 +142,24 @@ def backend_session() -> Iterator[tuple[Any, Any]]:
     try:
         yield backend, baseline
     finally:
+        # A benchmark that fails between a create and its destroy must not leave the guest's
+        # cgroups behind: these guests have no registry record for the reaper to find.
+        while _made:
+            with suppress(Exception):
+                _made.pop().destroy()  # a no-op for one destroyed already
         backend.close()
 
 
 _names = iter(range(1, 1 << 30))
+_made: list[Any] = []  # every guest new_guest made in this process
 
 
 def new_guest(backend: Any, baseline: Any) -> Any:
     from pytest_smolvm.backends import VMSpec
 
-    return backend.create(VMSpec(name=f"bench-{os.getpid()}-{next(_names)}", baseline=baseline))
+    guest = backend.create(VMSpec(name=f"bench-{os.getpid()}-{next(_names)}", baseline=baseline))
+    _made.append(guest)
+    return guest
 
 
 def guest_exec(guest: Any, argv: list[str]) -> None:
