@@ -138,7 +138,8 @@ class _Loop:
     async def _run_trio(self, fn: Callable[[], T], cancel: Cancel | None) -> T:
         trio: Any = sys.modules["trio"]  # present: _Loop found trio's token
         try:
-            result: T = await trio.to_thread.run_sync(fn, cancellable=True)
+            # abandon_on_cancel arrived in trio 0.23 and replaced cancellable=, which 0.35 removed.
+            result: T = await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
         except trio.Cancelled:
             if cancel is not None:
                 cancel.cancel()
