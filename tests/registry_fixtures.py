@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.oci.pull import host_platform
+from tests import tools
 from tests.registry_server import (
-    INSTALL_HINT,
     OCI_INDEX,
     Registry,
     alpine_layer,
@@ -78,8 +77,7 @@ def oci_registry(tmp_path_factory: pytest.TempPathFactory, alpine_layer_bytes: b
 @pytest.fixture(scope="session")
 def private_registry(tmp_path_factory: pytest.TempPathFactory, alpine_layer_bytes: bytes) -> Iterator[Registry]:
     """A registry where every request needs a password (htpasswd, bcrypt), holding acc/private:1."""
-    if shutil.which("htpasswd") is None:
-        raise RuntimeError(f"the tests need htpasswd for a private registry: {INSTALL_HINT}")
+    tools.require("htpasswd", "a private registry's password file")
     workdir = tmp_path_factory.mktemp("private-registry")
     htpasswd = workdir / "htpasswd"
     entry = subprocess.run(["htpasswd", "-Bbn", *PRIVATE_USER], capture_output=True, text=True, check=True)

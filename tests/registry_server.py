@@ -13,7 +13,6 @@ import http.server
 import io
 import json
 import re
-import shutil
 import socket
 import subprocess
 import tarfile
@@ -30,9 +29,9 @@ from typing import Any
 import zstandard
 
 from pytest_smolvm.baseline import bundled_rootfs_tarball
+from tests import tools
 
 REGISTRY_BINARY = "docker-registry"
-INSTALL_HINT = "apt-get install -y docker-registry apache2-utils"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -108,8 +107,7 @@ class Registry:
 
 def start_registry(workdir: Path, *, htpasswd: Path | None = None) -> Registry:
     """Start ``docker-registry serve`` on a free loopback port; stop it with :func:`stop_registry`."""
-    if shutil.which(REGISTRY_BINARY) is None:
-        raise RuntimeError(f"the tests need the CNCF distribution registry: {INSTALL_HINT}")
+    binary = tools.require(REGISTRY_BINARY, "the CNCF distribution registry the OCI tests pull from")
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     auth = (f"auth:\n  htpasswd:\n    realm: test\n    path: {htpasswd}\n" if htpasswd else "")
@@ -119,7 +117,7 @@ def start_registry(workdir: Path, *, htpasswd: Path | None = None) -> Registry:
                       f"http:\n  addr: 127.0.0.1:{port}\n{auth}")
     log = workdir / "registry.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([REGISTRY_BINARY, "serve", str(config)], stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([binary, "serve", str(config)], stdout=out, stderr=subprocess.STDOUT)
     registry = Registry(f"127.0.0.1:{port}", log, process)
     deadline = time.monotonic() + 20
     while True:

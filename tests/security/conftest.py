@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from pytest_smolvm.backends import VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend
 from pytest_smolvm.baseline import Baseline, resolve
 from pytest_smolvm.vm import VM
+from tests import tools
 from tests.leaks import assert_host_clean
 
 HOST_SECRET_VAR = "SMOLVM_SUITE_HOST_SECRET"
@@ -86,14 +86,12 @@ def vm(make_vm: Callable[..., VM]) -> VM:
 @pytest.fixture(scope="session")
 def probe_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The static syscall probe, built here (gcc and a static libc are in .ci/run)."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("needs gcc to build the static syscall probe")
+    gcc = tools.require("gcc", "to build the static syscall probe")
     out = tmp_path_factory.mktemp("probe") / "probe"
     result = subprocess.run([gcc, "-static", "-O1", "-o", str(out), str(PROBE_SOURCE)],
                             capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
-        pytest.skip(f"gcc -static failed (install libc6-dev): {result.stderr.strip()[-300:]}")
+        tools.missing("libc6-dev", f"gcc -static failed: {result.stderr.strip()[-300:]}")
     return out
 
 

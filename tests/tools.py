@@ -1,0 +1,47 @@
+"""System tools some tests need beyond the Python packages, and what a missing one means.
+
+A user who runs the README's test command on a fresh machine has none of them: those tests skip
+and say the one command that installs the tool. CI (``CI`` set, as ``.ci/run`` runs) installs them
+all, so there a missing tool is a failure: a skip there would hide a broken install step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+# tool -> the Debian package that ships it (what .ci/run installs)
+PACKAGES = {
+    "docker-registry": "docker-registry",  # the CNCF distribution registry, the tests' OCI registry
+    "htpasswd": "apache2-utils",  # the private registry's password file
+    "gcc": "gcc libc6-dev",  # the hostile-guest suite's static syscall probe
+    "setpriv": "util-linux",  # user-namespace mode runs as an unprivileged user
+    "tar": "tar",  # GNU tar writes the sparse members the extractor tests read
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def install_line(tool: str) -> str:
+    return f"apt-get install -y {PACKAGES.get(tool, tool)}"
+
+
+def missing(tool: str, why: str) -> None:
+    """Skip the calling test (fail it in CI) because ``tool`` cannot be used; ``why`` says what for."""
+    message = f"needs {tool} ({why}): {install_line(tool)}"
+    if in_ci():
+        pytest.fail(f"{message} -- .ci/run installs it, so CI must have it")
+    pytest.skip(message)
+
+
+def require(tool: str, why: str) -> str:
+    """The path of ``tool``, or skip the calling test (fail it in CI) with the install line."""
+    path = shutil.which(tool)
+    if path is None:
+        missing(tool, why)
+        raise AssertionError("unreachable")  # pytest.skip and pytest.fail raise
+    return path
