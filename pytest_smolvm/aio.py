@@ -11,6 +11,7 @@ is fired, and the backend kills the command's process group in the guest.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import threading
@@ -137,6 +138,9 @@ class _Loop:
 
     async def _run_trio(self, fn: Callable[[], T], cancel: Cancel | None) -> T:
         trio: Any = sys.modules["trio"]  # present: _Loop found trio's token
+        if _release(trio.__version__) < TRIO_NEEDED:
+            raise RuntimeError(f"smol_vm.aio under trio needs trio>={'.'.join(map(str, TRIO_NEEDED))}, "
+                               f"and trio {trio.__version__} is installed: pip install -U trio")
         try:
             # abandon_on_cancel arrived in trio 0.23 and replaced cancellable=, which 0.35 removed.
             result: T = await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
@@ -147,3 +151,17 @@ class _Loop:
         # Output callbacks were queued before the thread returned; let them run first.
         await trio.lowlevel.checkpoint()
         return result
+
+
+TRIO_NEEDED = (0, 23)  # trio.to_thread.run_sync(abandon_on_cancel=...)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.23.1+dev"`` -> ``(0, 23, 1)``: enough of PEP 440 to compare trio's releases."""
+    parts = []
+    for piece in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)

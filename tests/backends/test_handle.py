@@ -337,14 +337,9 @@ def test_aio_files_and_output_in_the_loop_thread(vm: VM, tmp_path: Path) -> None
 
 
 def test_aio_under_anyio_on_each_of_its_backends(vm: VM) -> None:
-    anyio = pytest.importorskip("anyio")
-    backends = ["asyncio"]
-    try:
-        import trio  # noqa: F401
+    import anyio  # both in the test extra: a missing one fails here rather than skipping trio's half
 
-        backends.append("trio")
-    except ImportError:
-        pass
+    backends = ["asyncio", "trio"]
 
     async def main() -> float:
         started = time.monotonic()
@@ -363,3 +358,14 @@ def test_aio_under_anyio_on_each_of_its_backends(vm: VM) -> None:
         while vm.exec(f"test -d /proc/{pid}").exit_code == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert vm.exec(f"test -d /proc/{pid}").exit_code != 0, f"{backend}: the cancelled command survived"
+
+
+def test_aio_under_a_trio_too_old_says_what_to_install(vm: VM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio
+
+    async def main() -> None:
+        await vm.aio.exec("true")
+
+    monkeypatch.setattr(trio, "__version__", "0.22.2")  # before abandon_on_cancel= (0.23)
+    with pytest.raises(RuntimeError, match=r"needs trio>=0\.23, and trio 0\.22\.2 is installed: pip install -U trio"):
+        trio.run(main)
