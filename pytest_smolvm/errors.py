@@ -11,6 +11,10 @@ class UsageError(SmolVMError):
     """A bad option, ini value or marker argument. Its message names the option."""
 
 
+class MarkerError(UsageError):
+    """A bad ``smol`` marker or factory keyword: that one test errors, the run goes on."""
+
+
 class ProvisionError(SmolVMError):
     """The backend could not make a guest: infrastructure, not the test's fault."""
 

@@ -30,7 +30,7 @@ from pytest_smolvm import capacity, registry
 from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
 from pytest_smolvm.background import Ahead, Bounded, Teardown
 from pytest_smolvm.baseline import Baseline
-from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
 from pytest_smolvm.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
@@ -121,8 +121,12 @@ class GuestPool:
         if image is None:
             return self.plan.baseline
         if image not in self._baselines:
-            self._baselines[image] = resolve_baseline(image, self.settings, self.plan.backend,
-                                                      option="@pytest.mark.smol(image)", run_id=self.run_id)
+            backend = self.plan.backend  # the run's own problems stay UsageErrors: they stop the run
+            try:
+                self._baselines[image] = resolve_baseline(image, self.settings, backend,
+                                                          option="@pytest.mark.smol(image)", run_id=self.run_id)
+            except UsageError as exc:  # this test's image: the test errors, the run goes on
+                raise MarkerError(str(exc)) from None
         return self._baselines[image]
 
     def new_name(self) -> str:

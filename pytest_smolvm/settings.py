@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import MarkerError, UsageError
 
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
@@ -22,6 +22,9 @@ LOGS_CHOICES = ("failed", "always")
 MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit",
                    "relax")
 DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
+# The longest wait poll(2) and Python's timers take (2**31 - 1 ms, about 24.8 days): a longer
+# timeout would overflow them after the command had started in the guest.
+MAX_TIMEOUT = 2_147_483.0
 SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
 # "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
@@ -203,6 +206,22 @@ def _positive_number(name: str, value: Any) -> float:
     return float(value)
 
 
+def guest_timeout(label: str, value: object, error: type[Exception] = ValueError) -> float | None:
+    """A guest timeout in seconds as ``label`` was given it; infinity means no limit (None).
+
+    Anything else that is not a positive number of seconds up to MAX_TIMEOUT raises ``error``
+    with one line naming ``label``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise error(f"{label}={value!r}: expected a positive number of seconds, or None for no limit")
+    if math.isinf(value):
+        return None
+    if value > MAX_TIMEOUT:
+        raise error(f"{label}={value!r}: longer than the longest supported timeout ({MAX_TIMEOUT:.0f} s, "
+                    f"about 24.8 days); use None for no limit")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class MarkerSpec:
     """The ``smol`` marker's keywords for one test, closest marker winning per keyword."""
@@ -219,7 +238,17 @@ class MarkerSpec:
     relax: tuple[str, ...] = ()
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
-        """This spec with ``overrides`` (marker or factory keywords) applied and validated."""
+        """This spec with ``overrides`` (marker or factory keywords) applied and validated.
+
+        A bad keyword raises MarkerError: it is the test's own, so only that test errors.
+        """
+        try:
+            changes = self._changes(overrides, where)
+        except UsageError as exc:
+            raise MarkerError(str(exc)) from None
+        return replace(self, **changes)
+
+    def _changes(self, overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
         unknown = sorted(set(overrides) - set(MARKER_KEYWORDS))
         if unknown:
             raise UsageError(f"{where}: unknown keyword {unknown[0]!r} "
@@ -240,7 +269,7 @@ class MarkerSpec:
                     raise UsageError(f"{where}(memory_mb={value!r}): expected a positive integer")
                 changes[key] = _positive_int(f"{where}(memory_mb)", value)
             elif key == "timeout":
-                changes[key] = _positive_number(f"{where}(timeout)", value)
+                changes[key] = guest_timeout(f"{where}(timeout)", value, UsageError)
             elif key == "user":
                 changes[key] = _guest_user(f"{where}(user)", value)
             elif key == "output_limit":
@@ -266,7 +295,7 @@ class MarkerSpec:
                         isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                     raise UsageError(f"{where}(env={value!r}): expected a dict of str to str")
                 changes[key] = {**self.env, **value}
-        return replace(self, **changes)
+        return changes
 
 
 def marker_spec(item: pytest.Item) -> MarkerSpec:
