@@ -26,13 +26,13 @@ import re
 import warnings
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from math import comb
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_smolvm import artifacts
+from pytest_smolvm.eval_summary import format_compact, format_table, summarize
 
 if TYPE_CHECKING:
     from pytest_smolvm.run import SmolRun
@@ -238,7 +238,11 @@ class EpisodesPlugin:
         try:
             n, seed = parse_marker(mark, metafunc.definition.nodeid)
         except ValueError as exc:
-            pytest.fail(str(exc), pytrace=False)  # a collection error of one line, like parametrize's own
+            problem = str(exc)
+        else:
+            problem = ""
+        if problem:  # failed outside the except block, so pytest shows no chained second copy
+            pytest.fail(problem, pytrace=False)  # a collection error of one line, like parametrize's own
         specs = [EpisodeSpec(i, episode_seed(seed, i), n) for i in range(n)]
         # The test does not ask for the internal argname; adding it to the closure is how a plugin
         # parametrizes a test over an argument it does not take (pytest-repeat does the same).
@@ -247,9 +251,9 @@ class EpisodesPlugin:
 
     @pytest.fixture
     def smol_episode(self, request: pytest.FixtureRequest) -> Episode:
-        """This episode: ``.index``, ``.seed`` and ``.record(reward, **info)``.
+        """This episode: .index, .seed and .record(reward, **info).
 
-        Without a ``smol_episodes`` marker the test is a single episode (index 0).
+        Without a smol_episodes marker the test is a single episode (index 0).
         """
         episode = Episode(_spec_of(request.node) or EpisodeSpec(0, episode_seed(0, 0), 1))
         request.node.stash[EPISODE_KEY] = episode
@@ -392,96 +396,3 @@ def _spec_of(item: pytest.Item) -> EpisodeSpec | None:
     callspec = getattr(item, "callspec", None)
     spec = callspec.params.get(EPISODE_ARG) if callspec is not None else None
     return spec if isinstance(spec, EpisodeSpec) else None
-
-
-# ---------------------------------------------------------------------- aggregation
-
-
-@dataclass(frozen=True)
-class SummaryRow:
-    function: str
-    tasks: int
-    episodes: int
-    passed: int
-    pass_at_1: float | None
-    pass_at_k: float | None
-    k: int
-    reward_mean: float | None
-    reward_se: float | None
-    reward_min: float | None
-    reward_max: float | None
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021) for one task: ``n`` attempts, ``c`` passed."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def summarize(lines: list[dict[str, Any]]) -> list[SummaryRow]:
-    """One row per test function that has episodes or recorded rewards.
-
-    A task is one (function, case) pair: the function's other parametrize values. Skipped and
-    xfailed episodes are not attempts and are left out of pass@1/pass@k; errors count as fails.
-    pass@1 and pass@k are the unbiased estimator averaged over tasks, with k the smallest number
-    of attempts of any task (the marker's n when every episode ran). With k = n, pass@k is the
-    fraction of tasks with at least one passing episode.
-    """
-    functions: dict[str, list[dict[str, Any]]] = {}
-    for line in lines:
-        if line.get("episodes") is not None or line.get("reward") is not None or line.get("crashed"):
-            functions.setdefault(line["function"], []).append(line)
-    rows = []
-    for function, group in functions.items():
-        tasks: dict[str, list[dict[str, Any]]] = {}
-        for line in group:
-            tasks.setdefault(line.get("case", ""), []).append(line)
-        attempts = {case: [ln for ln in ls if ln["outcome"] not in ("skipped", "xfailed")]
-                    for case, ls in tasks.items()}
-        attempted = {case: ls for case, ls in attempts.items() if ls}
-        k = min((len(ls) for ls in attempted.values()), default=0)
-        at1 = atk = None
-        if attempted:
-            counts = [(len(ls), sum(ln["outcome"] == "passed" for ln in ls)) for ls in attempted.values()]
-            at1 = sum(pass_at_k(n, c, 1) for n, c in counts) / len(counts)
-            atk = sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
-        rewards = [float(ln["reward"]) for ln in group if ln.get("reward") is not None]
-        mean = se = low = high = None
-        if rewards:
-            mean = sum(rewards) / len(rewards)
-            if len(rewards) > 1:
-                variance = sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)
-                se = math.sqrt(variance / len(rewards))
-            low, high = min(rewards), max(rewards)
-        rows.append(SummaryRow(function, len(tasks), len(group), sum(ln["outcome"] == "passed" for ln in group),
-                               at1, atk, k, mean, se, low, high))
-    return rows
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _reward(row: SummaryRow) -> str:
-    if row.reward_mean is None:
-        return "-"
-    return f"{row.reward_mean:.3f} ± {_num(row.reward_se)}"
-
-
-def format_table(rows: list[SummaryRow]) -> list[str]:
-    header = ["test", "tasks", "episodes", "passed", "pass@1", "pass@k", "k", "reward (mean ± se)", "min", "max"]
-    body = [[r.function, str(r.tasks), str(r.episodes), str(r.passed), _num(r.pass_at_1), _num(r.pass_at_k),
-             str(r.k), _reward(r), _num(r.reward_min), _num(r.reward_max)] for r in rows]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def fmt(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    return [fmt(header), *(fmt(row) for row in body)]
-
-
-def format_compact(rows: list[SummaryRow]) -> list[str]:
-    return [f"{r.function}: {r.episodes} episodes ({r.tasks} tasks), {r.passed} passed, pass@1 {_num(r.pass_at_1)}, "
-            f"pass@{r.k} {_num(r.pass_at_k)}, reward {_reward(r)}" for r in rows]

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.episodes import append_line, episode_seed, pass_at_k, read_results, summarize
+from pytest_smolvm.episodes import append_line, episode_seed, read_results
+from pytest_smolvm.eval_summary import format_compact, format_table, pass_at_k, summarize
 
 EVALS = Path(__file__).resolve().parent.parent / "examples" / "evals"
 REQUIRED = {"v", "test", "function", "case", "params", "episode", "episodes", "seed", "outcome", "message",
@@ -60,12 +61,23 @@ def test_summary_groups_tasks_and_leaves_skips_out() -> None:
     rows = summarize([line("a", "passed", 1.0), line("a", "failed", 0.0), line("b", "failed", 0.0),
                       line("b", "error", None), line("c", "skipped", None), line("c", "skipped", None),
                       {"function": "t.py::plain", "case": "", "episodes": None, "outcome": "passed", "reward": None}])
-    assert len(rows) == 1  # a test without episodes or rewards has no row
+    # a test without episodes or rewards has no row; one with several tasks has a row per task too
+    assert [(r.function, r.task) for r in rows] == [("t.py::f", None), ("t.py::f", "a"), ("t.py::f", "b"),
+                                                     ("t.py::f", "c")]
     row = rows[0]
     assert (row.tasks, row.episodes, row.passed, row.k) == (3, 6, 1, 2)
     assert row.pass_at_1 == 0.25 and row.pass_at_k == 0.5  # tasks a and b attempted; c was all skipped
     assert row.reward_mean == pytest.approx(1 / 3) and row.reward_min == 0.0 and row.reward_max == 1.0
     assert row.reward_se == pytest.approx(math.sqrt((1 / 3) / 3))
+    a, b, c = rows[1:]
+    assert (a.tasks, a.episodes, a.passed, a.pass_at_1, a.pass_at_k, a.reward_mean) == (1, 2, 1, 0.5, 1.0, 0.5)
+    assert (b.passed, b.pass_at_1, b.reward_mean, b.reward_se) == (0, 0.0, 0.0, None)
+    assert (c.episodes, c.k, c.pass_at_1) == (2, 0, None)  # all skipped: no attempt
+    table = format_table(rows)
+    assert [line.split()[0] for line in table[1:]] == ["t.py::f", "[a]", "[b]", "[c]"]
+    compact = format_compact(rows)
+    assert compact[0].startswith("t.py::f: 6 episodes (3 tasks), 1 passed") and compact[1].startswith("  [a]: 2 ep")
+    assert format_compact(summarize([line("a", "passed", 1.0)]))[0].startswith("t.py::f: 1 episode (1 task), ")
 
 
 def _writer(path: str, worker: int) -> None:
@@ -228,7 +240,7 @@ def test_quiet_summary_is_one_line_per_test(pytester: pytest.Pytester, smol_stat
     """)
     result = pytester.runpytest_subprocess("-q", "-p", "no:randomly")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["test_quiet_summary_is_one_line_per_test.py::test_q: 2 episodes (1 tasks), "
+    result.stdout.fnmatch_lines(["test_quiet_summary_is_one_line_per_test.py::test_q: 2 episodes (1 task), "
                                  "2 passed, pass@1 1.000, pass@2 1.000, reward 1.000 ± 0.000"])
     assert "reward (mean ± se)" not in result.stdout.str()
 
