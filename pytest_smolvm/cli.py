@@ -106,14 +106,21 @@ def _pull(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from pytest_smolvm.doctor import run_doctor
 
-    return run_doctor(sys.stdout)
+    return run_doctor(sys.stdout, require_microvm=args.require_microvm)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pytest-smolvm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pytest-smolvm", description="Look after the guests pytest-smolvm makes on this host: "
+        "diagnose the host (doctor), list and remove guests (ls, reap), enter a kept one (shell), "
+        "pre-pull a baseline image (pull).")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="can this host boot microVMs? which backend runs, and the fix if not"
-                   ).set_defaults(run=_doctor)
+    doctor = sub.add_parser("doctor", help="can this host boot microVMs? which backend runs, and the fix if not. "
+                            "Exit 0: guests run here (a microVM, or the namespace backend where none "
+                            "boots); 1: no backend can run a guest; 3: --require-microvm and none boots")
+    doctor.add_argument("--require-microvm", action="store_true",
+                        help="exit 3 unless a microVM boots here (the namespace fallback is not enough)")
+    doctor.set_defaults(run=_doctor)
     sub.add_parser("ls", help="list the guests recorded on this host").set_defaults(run=_ls)
     reap = sub.add_parser("reap", help="remove guests whose pytest process is gone")
     reap.add_argument("names", nargs="*", help="only these guests")

@@ -1,8 +1,14 @@
 """``pytest-smolvm doctor``: can this host boot microVMs, which backend would run, and the fix.
 
 Every check prints one line with a verdict; every problem is followed by what to do about it
-in plain words. The exit code is 0 only when a microVM really booted (the probe, re-run
-uncached), because that is the only thing a user of the smol backend needs to know.
+in plain words. The probe is re-run uncached, and its answer replaces the one pytest runs use.
+
+Exit codes, for scripts (docs/configuration.md):
+
+- 0: guests run on this host: a microVM boots, or, where none does (no KVM, a PVM host), the
+  namespace backend runs them instead, which is the expected outcome on such a host;
+- 1: no backend can run a guest here;
+- 3: ``--require-microvm`` was given and no microVM boots here (the namespace backend may run).
 """
 
 from __future__ import annotations
@@ -15,17 +21,19 @@ import stat
 import sys
 import textwrap
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TextIO
 
 from pytest_smolvm import probe as probe_mod
 from pytest_smolvm.plan import select_backend
-from pytest_smolvm.probe import ProbeResult
+from pytest_smolvm.probe import ProbeResult, pvm_evidence
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000
 
 
+EXIT_GUESTS_RUN = 0
+EXIT_NO_BACKEND = 1
+EXIT_NO_MICROVM = 3
 WIDTH = 100
 INDENT = " " * 7
 
@@ -90,24 +98,6 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
-
-
-def pvm_evidence() -> str | None:
-    """Why this looks like a PVM host (KVM for guests running inside a cloud VM), or None."""
-    if Path("/sys/module/kvm_pvm").exists():
-        return "the kvm_pvm kernel module is loaded (/sys/module/kvm_pvm)"
-    try:
-        for line in Path("/proc/modules").read_text().splitlines():
-            if line.split(" ", 1)[0] == "kvm_pvm" or "pvm" in line.split(" ", 1)[0]:
-                return f"/proc/modules lists {line.split(' ', 1)[0]}"
-    except OSError:
-        pass
-    params = Path("/sys/module/kvm/parameters")
-    if params.is_dir():
-        names = [p.name for p in params.iterdir() if "pvm" in p.name]
-        if names:
-            return f"/sys/module/kvm/parameters has {', '.join(sorted(names))}"
-    return None
 
 
 def _check_platform(report: Report) -> None:
@@ -195,8 +185,7 @@ def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: Kvm
     """Say why the boot failed; returns the causes in plain words for the verdict."""
     causes = []
     reason = result.reason
-    lowered = reason.lower()
-    if "kvmopen(error(13))" in lowered or ("permission denied" in lowered and "kvm" in lowered):
+    if probe_mod.is_kvm_access_denied(reason):
         report.say("why: the VMM could not open /dev/kvm (EACCES). smolmachines drops each VMM to an "
                    "unprivileged uid of its own, so it does not help that you can open /dev/kvm: that uid "
                    "must be able to.")
@@ -233,24 +222,35 @@ def _check_cloud(report: Report) -> None:
                                         "--smol-target=cloud can run")
 
 
-def _check_selection(report: Report, boot_result: probe_mod.BootReport) -> None:
+def _check_selection(report: Report, boot_result: probe_mod.BootReport) -> bool:
+    """Say which backend ``auto`` picks; whether any backend can run a guest here."""
     verdict = ProbeResult(boot_result.available, boot_result.reason)
     try:
         selection = select_backend("auto", "local", probe=lambda: verdict)
     except Exception as exc:  # the report must finish whatever select_backend thinks of this host
         report.line("FAIL", "--smol-backend=auto", str(exc))
-        return
+        return False
     if selection.name == "smol":
         report.line("ok", "--smol-backend=auto", "would use smol: a microVM per test")
-    else:
-        report.line("warn", "--smol-backend=auto",
-                    f"would use {selection.name}, because no microVM boots here. Namespace guests share "
-                    "the host kernel: clean state for every test, but no security boundary against "
-                    "hostile guest code.")
+        return True
+    from pytest_smolvm.backends import backend_class
+
+    usable = backend_class(selection.name).probe()
+    if not usable.available:
+        report.line("FAIL", f"--smol-backend={selection.name}", f"cannot run here either: {usable.reason}")
+        report.fix("run as root, or enable unprivileged user namespaces (sysctl -w "
+                   "kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000), so that the "
+                   "namespace backend can run guests")
+        return False
+    report.line("warn", "--smol-backend=auto",
+                f"would use {selection.name}, because no microVM boots here. Namespace guests share "
+                "the host kernel: clean state for every test, but no security boundary against "
+                "hostile guest code.")
+    return True
 
 
-def run_doctor(out: TextIO) -> int:
-    """Print the diagnosis to ``out``; 0 when a microVM booted, 1 otherwise."""
+def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
+    """Print the diagnosis to ``out``; the exit code as the module docstring says."""
     report = Report(out)
     out.write("pytest-smolvm doctor\n")
     _check_platform(report)
@@ -264,25 +264,32 @@ def run_doctor(out: TextIO) -> int:
         result = probe_mod.BootReport(False, "smolmachines is not installed", 0.0)
     causes = [] if result.available else _explain_boot_failure(report, result, kvm, pvm)
     _check_cloud(report)
-    _check_selection(report, result)
+    guests_run = _check_selection(report, result)
     out.write("\n")
     if result.available:
         out.write("verdict: microVMs boot on this host; --smol-backend=auto uses the smol backend.\n")
-        return 0
+        return EXIT_GUESTS_RUN
     out.write(textwrap.fill("verdict: no microVM boots on this host" + (": " + ", and ".join(causes) if causes
                                                                          else "") + ".", WIDTH,
                             subsequent_indent=INDENT) + "\n")
+    if guests_run:
+        out.write(textwrap.fill("Tests still get a fresh guest each: the namespace backend runs them (Linux "
+                                "namespaces over a copy-on-write copy of the baseline).", WIDTH,
+                                subsequent_indent=INDENT) + "\n")
     report.say(f"reason: {result.reason}")
     if report.fixes:
         out.write("what to do:\n")
         for i, text in enumerate(report.fixes, 1):
             out.write(textwrap.fill(f"{i}. {text}", WIDTH, initial_indent="  ", subsequent_indent="     ",
                                     break_on_hyphens=False) + "\n")
-    return 1
+    if not guests_run:
+        return EXIT_NO_BACKEND
+    return EXIT_NO_MICROVM if require_microvm else EXIT_GUESTS_RUN
 
 
-def main() -> int:
-    return run_doctor(sys.stdout)
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    return run_doctor(sys.stdout, require_microvm="--require-microvm" in args)
 
 
 if __name__ == "__main__":

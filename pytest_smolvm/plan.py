@@ -29,7 +29,7 @@ from pytest_smolvm import baseline as baselines
 from pytest_smolvm import reaper
 from pytest_smolvm.backends import Backend, BackendOptions, VMSpec, backend_class, spec_from_json, spec_to_json
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.probe import ProbeResult
+from pytest_smolvm.probe import ProbeResult, plain_reason
 from pytest_smolvm.settings import Settings
 
 
@@ -54,8 +54,8 @@ def select_backend(requested: str, target: str = "local",
     result = (probe or _probe_smol)()
     if result.available:
         return Selection("smol", "a microVM booted on this host")
-    return Selection("namespace", f"no microVM boots on this host ({result.reason}); "
-                                  "namespace isolation shares the host kernel")
+    return Selection("namespace", f"no microVM boots here: {plain_reason(result.reason)}; "
+                                  "see 'pytest-smolvm doctor'; namespace guests share the host kernel")
 
 
 def _probe_smol() -> ProbeResult:

@@ -7,13 +7,14 @@ guest (see ``run.py``). A project without guest tests pays for option parsing an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
 from pytest_smolvm import artifacts, episodes, hookspecs, progress, reporting
-from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
 from pytest_smolvm.run import SERVICE_INPUT, SmolRun
 from pytest_smolvm.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -26,8 +27,11 @@ GUESTS_KEY = pytest.StashKey[list["LiveGuest"]]()
 REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 PROBLEMS_KEY = pytest.StashKey[list[str]]()
+DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
 RUN_ID_INPUT = "smolvm_run_id"
 PROBLEMS_OUTPUT = "smolvm_problems"  # workeroutput key: teardown problems a worker met
+WORK_OUTPUT = "smolvm_work"  # workeroutput key: a worker's long host-side work (pulls, unpacks)
+WORK_KEY = pytest.StashKey[list[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,11 +59,13 @@ def pytest_configure(config: pytest.Config) -> None:
     progress.install(config)  # pulling or unpacking a baseline says how far it got
     config.stash[RUN_KEY] = run
     config.stash[PROBLEMS_KEY] = []
+    config.stash[WORK_KEY] = []
     counter = GuestTestCounter()
     config.stash[COUNTER_KEY] = counter
     config.pluginmanager.register(counter, "smolvm-counter")
     if workerinput is None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistController(run, config.stash[PROBLEMS_KEY]), "smolvm-xdist")
+        config.pluginmanager.register(XdistController(run, config.stash[PROBLEMS_KEY], config.stash[WORK_KEY]),
+                                      "smolvm-xdist")
     episodes.install(config, run)
     artifacts.install(config, run)
 
@@ -78,16 +84,19 @@ class GuestTestCounter:
 class XdistController:
     """Hooks that exist only when pytest-xdist is installed (registered on demand)."""
 
-    def __init__(self, run: SmolRun, problems: list[str]) -> None:
+    def __init__(self, run: SmolRun, problems: list[str], work: list[str]) -> None:
         self.run = run
         self.problems = problems
+        self.work = work
 
     def pytest_configure_node(self, node: Any) -> None:
         node.workerinput[RUN_ID_INPUT] = self.run.run_id
         node.workerinput[SERVICE_INPUT] = self.run.service_address()
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
-        self.problems.extend(getattr(node, "workeroutput", {}).get(PROBLEMS_OUTPUT, []))
+        workeroutput = getattr(node, "workeroutput", {})
+        self.problems.extend(workeroutput.get(PROBLEMS_OUTPUT, []))
+        self.work.extend(workeroutput.get(WORK_OUTPUT, []))
         if error and self.run.plan is not None:
             from pytest_smolvm.reaper import reap_orphans
 
@@ -115,6 +124,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput[PROBLEMS_OUTPUT] = list(problems)
+        workeroutput[WORK_OUTPUT] = progress.finished()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -133,7 +143,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     kept = [r for r in records() if r.kept and r.run_id == run.run_id]
     problems: list[str] = config.stash[PROBLEMS_KEY]
     lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
-                                    problems=problems)
+                                    problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
     if lines:
         terminalreporter.section("smolvm")
         for line in lines:
@@ -144,6 +154,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
         None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    if report.when == "setup" and DECISION_KEY in item.stash:
+        # The probe boot and the baseline's preparation are the run's, whichever test came first:
+        # counted in the test's duration they would skew --durations, JUnit and the results.
+        report.duration = max(0.0, report.duration - item.stash[DECISION_KEY])
     item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
     guests = item.stash.get(GUESTS_KEY, [])
     artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
@@ -161,7 +175,7 @@ def _fail_setup(message: str) -> NoReturn:
 @pytest.fixture
 def smol_vm_factory(request: pytest.FixtureRequest,
                     smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
-    """Make guests on demand: ``smol_vm_factory(**marker_keywords)``; all destroyed at teardown."""
+    """Make guests on demand: smol_vm_factory(**marker_keywords); all destroyed at teardown."""
     from pytest_smolvm.warm import BaselineSetup, BaselineSetupError
 
     item = request.node
@@ -183,8 +197,16 @@ def smol_vm_factory(request: pytest.FixtureRequest,
             proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
             item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
             spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
+            if run.plan is None:  # this process's first guest: the run's one decision happens now
+                deciding = time.monotonic()
+                run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
+                waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
+                item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
+                                        "one-time backend decision (probe, baseline); not counted in its duration")
             live: LiveGuest | None = run.pool.create(item.nodeid, spec, setup)
             problem = ""
+        except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors
+            live, problem = None, str(exc)
         except UsageError as exc:
             # The run's settings are wrong (a bad baseline, say): every guest test would fail alike.
             request.session.shouldstop = f"pytest-smolvm: {exc}"
@@ -226,7 +248,7 @@ def smol_baseline_setup() -> Sequence[str]:
     """Shell commands that make the warm baseline, run once per host before any guest forks.
 
     Override it in a conftest.py (keep it session-scoped) to return your setup commands; the
-    ``pytest_smolvm_prepare_baseline`` hook is the same thing for code that needs the VM handle.
+    pytest_smolvm_prepare_baseline hook is the same thing for code that needs the VM handle.
     """
     return ()
 

@@ -10,10 +10,13 @@ The probe boots what tests use: a branchable source and one branch of it (the sm
 forks every test's guest that way), so a host where a plain boot works but branching does not
 is not taken for a working one.
 
-A success is cached per host, boot, user, smolmachines version and ``/dev/kvm`` identity,
+An answer is cached per host, boot, user, smolmachines version and ``/dev/kvm`` identity,
 because none of those change within a boot unless someone fixes the host (which changes the
-``/dev/kvm`` mode or group and so the key). A failure is cached for minutes only: a user who
-fixes the host by other means (a module, a group membership) sees it on the next run soon.
+``/dev/kvm`` mode or group and so the key): a run on a host where no microVM boots would
+otherwise pay a probe boot (seconds, ~20 s on first use) every so often, inside the duration
+of whichever test came first. A user who fixes the host by other means (a module, a group
+membership) runs ``pytest-smolvm doctor``, which re-probes and replaces the cached answer. Only
+a timed-out boot is trusted for minutes: it can be the engine's slow first start.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ from pytest_smolvm.smol_sdk import remove_fork_lock, vm_data_dir
 DEFAULT_TIMEOUT = 20.0
 TIMEOUT_ENV = "PYTEST_SMOLVM_PROBE_TIMEOUT"
 CACHE_FILE = "probe.json"
-# A failure (a timeout included: it can be a slow first run while the engine unpacks its 36 MB
-# guest rootfs) is trusted for minutes; a success holds for the whole boot.
-FAILURE_TTL = 600.0
+# A timed-out boot can be a slow first run while the engine unpacks its 36 MB guest rootfs: it
+# is trusted for minutes. Any other answer holds while the cache key does (module docstring).
+TIMEOUT_TTL = 600.0
+TIMEOUT_REASON = "boot did not finish within"
 PROBE_NAME_PREFIX = "pytest-smolvm-probe-"
 # What changes how a guest boots, so a cached answer is only reused when these are unchanged.
 # Not SMOLVM_SECCOMP/SMOLVM_LANDLOCK: importing smol sets them itself (transport.py:303-304), so
@@ -105,6 +109,42 @@ def precheck() -> ProbeResult | None:
     return None
 
 
+def pvm_evidence() -> str | None:
+    """Why this looks like a PVM host (KVM for guests running inside a cloud VM), or None."""
+    if Path("/sys/module/kvm_pvm").exists():
+        return "the kvm_pvm kernel module is loaded (/sys/module/kvm_pvm)"
+    try:
+        for line in Path("/proc/modules").read_text().splitlines():
+            if line.split(" ", 1)[0] == "kvm_pvm" or "pvm" in line.split(" ", 1)[0]:
+                return f"/proc/modules lists {line.split(' ', 1)[0]}"
+    except OSError:
+        pass
+    params = Path("/sys/module/kvm/parameters")
+    if params.is_dir():
+        names = [p.name for p in params.iterdir() if "pvm" in p.name]
+        if names:
+            return f"/sys/module/kvm/parameters has {', '.join(sorted(names))}"
+    return None
+
+
+def is_kvm_access_denied(reason: str) -> bool:
+    lowered = reason.lower()
+    return "kvmopen(error(13))" in lowered or ("permission denied" in lowered and "kvm" in lowered)
+
+
+def plain_reason(reason: str) -> str:
+    """The engine's reason for a failed boot, in a few words (the raw text is ``doctor``'s)."""
+    if is_kvm_access_denied(reason):
+        why = "the VMM may not open /dev/kvm"
+    elif reason.startswith(TIMEOUT_REASON) or reason.startswith(("smolmachines ", "/dev/kvm ", "the smol ")):
+        why = reason.split(" (", 1)[0].split(": ", 1)[0]
+    else:
+        why = "the engine could not start one"
+    if sys.platform.startswith("linux") and pvm_evidence() is not None:
+        why += ", on a PVM host"
+    return why
+
+
 def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -158,7 +198,7 @@ def _store(key: str, report: BootReport) -> None:
     data = {k: v for k, v in data.items() if isinstance(v, dict) and v.get("boot_id") == _boot_id()}
     data[key] = {"available": report.available, "reason": report.reason, "elapsed": round(report.elapsed, 3),
                  "at": now, "boot_id": _boot_id(), "host": socket.gethostname(),
-                 "expires": None if report.available else now + FAILURE_TTL}
+                 "expires": now + TIMEOUT_TTL if report.timed_out else None}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{CACHE_FILE}.{os.getpid()}.tmp")
@@ -240,7 +280,7 @@ def _wait_for_verdict(proc: subprocess.Popen[bytes], name: str, limit: float, st
         detail = _last_boot_message(name)
         _delete_by_name(f"{name}-b")
         _delete_by_name(name)
-        reason = f"boot did not finish within {limit:g}s"
+        reason = f"{TIMEOUT_REASON} {limit:g}s"
         if detail:
             reason += f" (last VMM message: {detail})"
         return BootReport(False, reason, elapsed, timed_out=True, code="TIMEOUT")

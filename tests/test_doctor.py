@@ -1,7 +1,8 @@
 """``pytest-smolvm doctor`` and the boot probe behind it, run for real on this host.
 
 Whether a microVM boots here is decided independently (a probe boot), and the doctor must
-agree: exit 0 and say so where one boots, otherwise exit non-zero and explain why.
+agree: say so where one boots, otherwise explain why (the exit code says whether guests run at
+all: test_first_run.py).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) ->
     if boots:
         assert done.returncode == 0, output
         assert "microVMs boot on this host" in output
-    else:
-        assert done.returncode != 0, output
+    else:  # the namespace backend runs guests instead: the expected outcome here, exit 0
+        assert done.returncode == 0, output
         assert "no microVM boots on this host" in output
         assert "what to do" in output or "reason:" in output
         assert "would use namespace" in output
@@ -98,7 +99,7 @@ def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:
     if evidence is None:
         pytest.skip("not a PVM host")
     done = _run_doctor({}, tmp_path)
-    assert done.returncode != 0, done.stdout
+    assert done.returncode == 0, done.stdout  # the namespace backend runs guests here
     assert "PVM host" in done.stdout and "built for PVM" in done.stdout
     assert "real KVM" in done.stdout
 
