@@ -2,8 +2,10 @@
 
 Nothing is printed for work that finishes within a second. Only the process doing the work
 prints (the others wait on its file lock), so a pull shows once per host even under ``-n``.
-The plugin points the lines at the real terminal (past pytest's capture), or turns them off
-with ``-q``; elsewhere (the ``pytest-smolvm`` command) they go to stderr.
+The ``pytest-smolvm`` command prints them to stderr as the work goes on. A pytest run prints no
+live line: the work happens inside the setup of whichever test asked first, often on another
+thread or in an xdist worker, so a line would land in the middle of the test output. There the
+closing lines are kept for the run's ``smolvm`` summary section instead (none with ``-q``).
 """
 
 from __future__ import annotations
@@ -28,16 +30,24 @@ def _stderr(line: str) -> None:
 
 
 _sink: Sink | None = _stderr
+_finished: list[str] | None = None  # in a pytest run: the closing lines, for the summary
 
 
 def set_sink(sink: Sink | None) -> None:
-    """Where progress lines go; None silences them."""
+    """Where live progress lines go; None silences them."""
     global _sink
     _sink = sink
 
 
 def reset() -> None:
+    global _finished
     set_sink(_stderr)
+    _finished = None
+
+
+def finished() -> list[str]:
+    """The closing lines of this process's long work so far (a pytest run only)."""
+    return list(_finished or ())
 
 
 def megabytes(n: int) -> str:
@@ -64,27 +74,17 @@ class Progress:
     def done(self, summary: str) -> None:
         """The closing line, printed only if the work was long enough to be shown at all."""
         elapsed = self._clock() - self.started
-        if (self.shown or elapsed >= QUIET_FOR) and _sink is not None:
-            _sink(f"smolvm: {self.title}: {summary} in {elapsed:.1f}s")
+        if not (self.shown or elapsed >= QUIET_FOR):
+            return
+        line = f"smolvm: {self.title}: {summary} in {elapsed:.1f}s"
+        if _finished is not None:
+            _finished.append(line)
+        if _sink is not None:
+            _sink(line)
 
 
 def install(config: pytest.Config) -> None:
-    """Progress lines to the real terminal, past pytest's capture; none with ``-q``."""
-    if config.get_verbosity() < 0:
-        set_sink(None)
-        return
-    capman = config.pluginmanager.getplugin("capturemanager")
-    is_worker = hasattr(config, "workerinput")  # an xdist worker's stderr is the controller's terminal
-
-    def write(line: str) -> None:
-        reporter = None if is_worker else config.pluginmanager.getplugin("terminalreporter")
-        if capman is None:
-            _stderr(line)
-            return
-        with capman.global_and_fixture_disabled():
-            if reporter is not None:
-                reporter.write_line(line)  # starts a fresh line if a test's dots are on this one
-            else:
-                _stderr(line)
-
-    set_sink(write)
+    """A pytest run: no live lines; the closing ones kept for the summary, unless ``-q``."""
+    global _finished
+    set_sink(None)
+    _finished = [] if config.get_verbosity() >= 0 else None

@@ -37,8 +37,9 @@ def plan_lines(plan: RunPlan) -> list[str]:
 
 
 def summary_lines(plan: RunPlan, kept: Iterable[Record], *, used_guests: bool,
-                  problems: Iterable[str] = ()) -> list[str]:
+                  problems: Iterable[str] = (), work: Iterable[str] = ()) -> list[str]:
     lines = plan_lines(plan) if used_guests else []
+    lines += work  # pulls and unpacks that took long (progress.py): said here, not mid-output
     kept = list(kept)
     if kept:
         lines.append(f"{len(kept)} guest(s) kept alive for debugging:")

@@ -194,8 +194,12 @@ def test_unknown_tags_and_unreachable_registries(oci_registry: Images, oci_cache
     with pytest.raises(UsageError, match=rf"^--smol-baseline={reference}: no such image on .*check the name"):
         resolve_image(reference, _settings())
     dead = f"127.0.0.1:{free_port()}/acc/alpine:1"
-    with pytest.raises(UsageError, match=rf"^--smol-baseline={dead}: cannot reach registry 127.0.0.1"):
+    with pytest.raises(UsageError, match=rf"^--smol-baseline={dead}: cannot reach registry 127.0.0.1") as info:
         resolve_image(dead, _settings())
+    # ... and what a user without a network can do instead, on the same line
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"'pytest-smolvm pull {dead}'" in message and "--smol-offline" in message and "tarball" in message
     assert no_partial_files(oci_cache) == []
 
 

@@ -88,7 +88,10 @@ class Client:
                 raise self._http_error(exc.code, what) from None
             except (urllib.error.URLError, OSError, HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
-                raise self.error(f"cannot reach registry {self.ref.registry} ({self.ref.scheme}): {reason}") from None
+                raise self.error(f"cannot reach registry {self.ref.registry} ({self.ref.scheme}): {reason}. "
+                                 f"Without a network: 'pytest-smolvm pull {self.ref.reference}' where there is one "
+                                 "fills the cache, and --smol-offline then uses what is cached; or pass a "
+                                 "docker-save archive or rootfs tarball as the baseline") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _http_error(self, code: int, what: str) -> RegistryError:
