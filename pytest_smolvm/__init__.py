@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytest_smolvm.errors import ExecError, GuestError, GuestUserError, ProvisionError, SmolVMError, UsageError
+from pytest_smolvm.errors import (
+    ExecError,
+    GuestError,
+    GuestUserError,
+    MarkerError,
+    ProvisionError,
+    SmolVMError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from pytest_smolvm.aio import AsyncVM
+    from pytest_smolvm.session import Session
     from pytest_smolvm.vm import VM, ExecResult
 
-__all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "ProvisionError",
-           "SmolVMError", "UsageError"]
+__all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "MarkerError", "ProvisionError",
+           "Session", "SmolVMError", "UsageError"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +35,8 @@ def __getattr__(name: str) -> Any:
         from pytest_smolvm.aio import AsyncVM
 
         return AsyncVM
+    if name == "Session":
+        from pytest_smolvm.session import Session
+
+        return Session
     raise AttributeError(f"module 'pytest_smolvm' has no attribute {name!r}")

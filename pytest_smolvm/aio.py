@@ -73,6 +73,11 @@ class AsyncVM:
         return await _Loop().run(lambda: self.sync.copy_out(src, dest))
 
 
+async def in_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own, awaited from the running asyncio or trio loop."""
+    return await _Loop().run(fn)
+
+
 class _Loop:
     """The running event loop, asyncio's or trio's (anyio runs on one of the two)."""
 

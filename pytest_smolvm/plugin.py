@@ -114,13 +114,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if run is None:
         return
     problems = config.stash[PROBLEMS_KEY]
-    resolved = run.plan is not None
-    problems += run.close()
-    if resolved and not run.is_worker:
-        from pytest_smolvm.reaper import reap_orphans
-
-        report = reap_orphans()  # anything of this run a crashed worker or a failed destroy left
-        problems += [f"{name}: {why}" for name, why in report.failed]
+    problems += run.finish()
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput[PROBLEMS_OUTPUT] = list(problems)

@@ -115,6 +115,17 @@ class SmolRun:
         self._signals = {}
         return problems
 
+    def finish(self) -> list[str]:
+        """:meth:`close`; then, in the owner, reap what this run's crashed workers or failed destroys left."""
+        decided = self.plan is not None
+        problems = self.close()
+        if decided and not self.is_worker:
+            from pytest_smolvm.reaper import reap_orphans
+
+            report = reap_orphans()
+            problems += [f"{name}: {why}" for name, why in report.failed]
+        return problems
+
 
 def _signals_to_keyboard_interrupt() -> dict[int, Any]:
     """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs."""

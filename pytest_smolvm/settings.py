@@ -149,6 +149,39 @@ class Settings:
         changes["offline"] = bool(offline) if offline is not None else bool(config.getini("smol_offline"))
         return replace(settings, **changes)
 
+    @classmethod
+    def from_keywords(cls, where: str, *, baseline: str | None = None, backend: str = "auto",
+                      target: str = "local", keep: str = "never", max_vms: int | None = None,
+                      user: str | int | None = None, output_limit: int | str | None = None,
+                      registry_auth: str | None = None, offline: bool = False,
+                      rootdir: str | Path | None = None) -> Settings:
+        """The same settings from keyword arguments (the library's Session); errors name ``where(key=...)``."""
+        root = Path(rootdir).expanduser() if rootdir is not None else Path.cwd()
+        backend = _known_backend(f"{where}(backend)", backend)
+        for key, value, choices in (("target", target, TARGET_CHOICES), ("keep", keep, KEEP_CHOICES)):
+            if value not in choices:
+                raise UsageError(f"{where}({key}={value!r}): choose one of {', '.join(choices)}")
+        settings = cls(backend=backend, target=target, keep=keep, rootdir=root, offline=bool(offline),
+                       baseline_option=f"{where}(baseline)")
+        changes: dict[str, Any] = {}
+        if max_vms is not None:
+            changes["max_vms"] = _positive_int(f"{where}(max_vms)", max_vms)
+        if user is not None:
+            changes["user"] = _guest_user(f"{where}(user)", user)
+        if output_limit is not None:
+            changes["output_limit"] = byte_size(f"{where}(output_limit)", output_limit)
+        if baseline is not None:
+            from pytest_smolvm.baseline import check_reference
+
+            check_reference(baseline, root, option=f"{where}(baseline)")
+            changes["baseline"] = baseline
+        if registry_auth is not None:
+            from pytest_smolvm.oci.auth import parse_auth_option
+
+            parse_auth_option(registry_auth, f"{where}(registry_auth)")
+            changes["registry_auth"] = registry_auth
+        return replace(settings, **changes)
+
 
 def _known_backend(name: str, value: str) -> str:
     if value in BACKEND_CHOICES:

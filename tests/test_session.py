@@ -1,0 +1,109 @@
+"""The library API: guests without pytest, on the plugin's own lifecycle (docs/reference.md, Session)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm import MarkerError, Session, UsageError
+from pytest_smolvm.pool import READY_TEST_ID
+from pytest_smolvm.registry import records
+from tests.leaks import assert_host_clean, guest_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_session_makes_fresh_guests_and_destroys_them_all(smol_state: Path) -> None:
+    with Session(backend="namespace") as session:
+        a = session.create(env={"ROLE": "a"})
+        b = session.create("episode-2")
+        a.write_file("/tmp/secret", "a")
+        assert b.exec(["test", "-e", "/tmp/secret"]).exit_code == 1  # each guest starts clean
+        assert a.exec("echo $ROLE").stdout == "a\n"
+        assert session.backend == "namespace"
+        # (and the pool's guests made ahead for the next create, as in a pytest run)
+        assert sorted(r.test_id for r in records() if r.test_id != READY_TEST_ID) == ["library", "library:episode-2"]
+        session.destroy(a)
+        with pytest.raises(UsageError, match=r"Session.destroy: smol-\S+ is not a live guest of this session"):
+            session.destroy(a)
+    assert_host_clean(smol_state)  # b, left alive, went with the block
+    assert list(records()) == []
+
+
+def test_an_exception_in_the_block_still_destroys_every_guest(smol_state: Path) -> None:
+    with pytest.raises(RuntimeError, match="the training loop broke"), Session(backend="namespace") as session:
+        session.create()
+        session.create()
+        raise RuntimeError("the training loop broke")
+    assert_host_clean(smol_state)
+
+
+def test_bad_keywords_are_one_line_errors_naming_them(smol_state: Path) -> None:
+    with pytest.raises(UsageError, match=r"^Session\(backend\)=nope: unknown backend"):
+        Session(backend="nope")
+    with pytest.raises(UsageError, match=r"^Session\(keep='failed'\): a session has no test outcome"):
+        Session(keep="failed")
+    with pytest.raises(UsageError, match=r"^Session\(max_vms\)=0: expected a positive integer"):
+        Session(max_vms=0)
+    with Session(backend="namespace") as session:
+        with pytest.raises(MarkerError, match=r"^Session.create\(memory_mb='lots'\): expected a positive integer"):
+            session.create(memory_mb="lots")
+        with pytest.raises(MarkerError, match=r"^Session.create: unknown keyword 'memroy_mb'"):
+            session.create(memroy_mb=512)
+    with pytest.raises(UsageError, match="the session is closed"):
+        session.create()
+    assert_host_clean(smol_state)
+
+
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_async_sessions_make_guests_concurrently(smol_state: Path, library: str) -> None:
+    async def main() -> list[str]:
+        async with Session(backend="namespace") as session:
+            vms = [await session.acreate(f"async-{i}") for i in range(3)]
+            outputs = [(await vm.aio.exec(f"echo {i}")).stdout for i, vm in enumerate(vms)]
+            await session.adestroy(vms[0])
+            return outputs
+
+    if library == "asyncio":
+        outputs = asyncio.run(main())
+    else:
+        import trio
+
+        outputs = trio.run(main)
+    assert outputs == ["0\n", "1\n", "2\n"]
+    assert_host_clean(smol_state)
+
+
+OWNER = """
+import sys, time
+from pytest_smolvm import Session
+
+session = Session(backend="namespace")
+vm = session.create("doomed")
+vm.exec("sleep 600 >/dev/null 2>&1 &")  # a guest process that would outlive nobody
+print(vm.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_owner_s_guests_are_reaped_by_the_next_session(smol_state: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert owner.stdout is not None
+        name = owner.stdout.readline().strip()
+        assert name.startswith("smol-") and name in [r.name for r in records()]
+        assert guest_processes(smol_state)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+    with Session(backend="namespace") as session:
+        session.create()  # the session's one decision reaps what dead owners left
+        assert [r.name for r in records() if r.name == name] == []
+    assert_host_clean(smol_state)
