@@ -7,6 +7,7 @@ guest (see ``run.py``). A project without guest tests pays for option parsing an
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -156,6 +157,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     guests = item.stash.get(GUESTS_KEY, [])
     artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
     return report
+
+
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None  # the common case, decided without importing asyncio
+    from pytest_smolvm import async_tests
+
+    return async_tests.run(pyfuncitem)
 
 
 def _test_failed(item: pytest.Item) -> bool:

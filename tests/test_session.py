@@ -107,3 +107,35 @@ def test_a_killed_owner_s_guests_are_reaped_by_the_next_session(smol_state: Path
         session.create()  # the session's one decision reaps what dead owners left
         assert [r.name for r in records() if r.name == name] == []
     assert_host_clean(smol_state)
+
+
+ASYNC_TESTS = """
+    import pytest
+
+    async def test_plain_asyncio(smol_vm):
+        r = await smol_vm.aio.exec("echo async")
+        assert r.stdout == "async\\n"
+
+    @pytest.mark.anyio
+    async def test_anyio_runs_its_own(smol_vm, anyio_backend):
+        assert (await smol_vm.aio.exec("echo " + anyio_backend)).stdout == anyio_backend + "\\n"
+
+    async def test_without_a_guest_is_not_ours():
+        pass
+"""
+
+
+@pytest.mark.parametrize("anyio_plugin", [True, False], ids=["with-anyio", "without-anyio"])
+def test_async_guest_tests_need_no_async_plugin(pytester: pytest.Pytester, smol_state: Path,
+                                                anyio_plugin: bool) -> None:
+    pytester.makepyfile(ASYNC_TESTS)
+    if anyio_plugin:
+        result = pytester.runpytest_subprocess("-p", "anyio", "-rA")
+        result.stdout.fnmatch_lines(["PASSED *test_anyio_runs_its_own[[]asyncio[]]*"])
+        assert result.parseoutcomes()["failed"] == 1
+    else:
+        result = pytester.runpytest_subprocess("-p", "no:anyio", "-rA", "-k", "not anyio_runs_its_own")
+        result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["PASSED *test_plain_asyncio*"])
+    # pytest's own refusal, untouched, for an async test that asked for no guest
+    result.stdout.fnmatch_lines(["FAILED *test_without_a_guest_is_not_ours*"])
