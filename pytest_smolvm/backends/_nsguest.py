@@ -216,9 +216,18 @@ def _mount_root(req: dict[str, Any]) -> str:
         for fd in lower_fds:
             os.close(fd)
 
-    dev = os.path.join(root, "dev")
-    os.makedirs(dev, exist_ok=True)
-    _mount("smolvm-dev", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=1m")
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    tops: dict[str, int] = {}
+    try:
+        for name in ("dev", "proc", "tmp", "workspace"):  # /workspace: as on every smol machine
+            tops[name] = _guest_dir(root_fd, name)
+        # Mounted through the fd: mount(2) would follow a link in a path; the fd is the directory.
+        _mount("smolvm-dev", f"/proc/self/fd/{tops['dev']}", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=1m")
+        os.fchmod(tops["tmp"], 0o1777)  # as a smol machine's tmpfs /tmp: every guest user may write
+    finally:
+        for fd in (root_fd, *tops.values()):
+            os.close(fd)
+    dev = os.path.join(root, "dev")  # a real directory now, with our tmpfs on it: nothing of the guest's
     for node in DEVICES:
         target = os.path.join(dev, node)
         host = os.stat(f"/dev/{node}")
@@ -238,10 +247,30 @@ def _mount_root(req: dict[str, Any]) -> str:
     for sub in ("pts", "shm"):
         os.mkdir(os.path.join(dev, sub))
     _mount("smolvm-shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
-    for sub in ("proc", "tmp", "workspace"):  # /workspace: as on every smol machine
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    os.chmod(os.path.join(root, "tmp"), 0o1777)  # as a smol machine's tmpfs /tmp: every guest user may write
     return root
+
+
+def _guest_dir(root_fd: int, name: str) -> int:
+    """The guest root's top-level directory ``name`` (/dev, /proc, /tmp, /workspace), as an fd.
+
+    The merged root is the guest's own tree: a warm baseline is what an earlier guest left, so
+    any entry may be a symlink to anywhere, and before pivot_root the host would resolve it
+    among its own paths (a /tmp link to /etc once made the host chmod /etc 1777). So nothing
+    here follows a link: one component, O_NOFOLLOW, from the root's fd. A link or file where
+    the directory must be is removed from this guest's overlay (the baseline is untouched)
+    and the directory made anew.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o755, dir_fd=root_fd)
+    try:
+        return os.open(name, flags, dir_fd=root_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    os.unlink(name, dir_fd=root_fd)
+    os.mkdir(name, 0o755, dir_fd=root_fd)
+    return os.open(name, flags, dir_fd=root_fd)
 
 
 def _loopback_up() -> None:
