@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_smolvm.inert import inert
+
 if TYPE_CHECKING:
     from pytest_smolvm.pool import LiveGuest
     from pytest_smolvm.run import SmolRun
@@ -115,11 +117,12 @@ def cap_text(text: str, limit: int, where: str = "") -> str:
 
 
 def guest_text(live: LiveGuest) -> str:
-    """The guest's logs and transcript; never raises (a broken guest must not hide the failure)."""
+    """The guest's logs and transcript, inert (see inert.py) for every sink; never raises (a
+    broken guest must not hide the failure)."""
     try:
-        return live.vm.logs()
+        return inert(live.vm.logs())
     except Exception as exc:
-        return f"(guest logs unavailable: {type(exc).__name__}: {exc})\n{live.vm.transcript_text()}"
+        return inert(f"(guest logs unavailable: {type(exc).__name__}: {exc})\n{live.vm.transcript_text()}")
 
 
 def artifact_dirname(nodeid: str) -> str:
@@ -233,8 +236,8 @@ def save(item: pytest.Item, guests: list[LiveGuest], *, collect: bool) -> Path |
         except Exception as exc:
             console = f"(guest logs unavailable: {type(exc).__name__}: {exc})"
         logs.append(f"{header}\n{console.rstrip()}\n")
-    _write_text(directory / "transcript.txt", "\n".join(transcripts), notes)
-    _write_text(directory / "guest-logs.txt", "\n".join(logs), notes)
+    _write_text(directory / "transcript.txt", inert("\n".join(transcripts)), notes)  # read with cat, in a terminal
+    _write_text(directory / "guest-logs.txt", inert("\n".join(logs)), notes)
     if collect:
         budget = FILES_BUDGET
         for number, live in enumerate(guests, start=1):

@@ -31,6 +31,7 @@ from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backe
 from pytest_smolvm.background import Ahead, Bounded, Teardown
 from pytest_smolvm.baseline import Baseline
 from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
+from pytest_smolvm.inert import inert
 from pytest_smolvm.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.settings import MarkerSpec, Settings
 from pytest_smolvm.vm import VM
@@ -153,8 +154,8 @@ class GuestPool:
                 for command in setup.commands:
                     vm.exec(command, check=True)
             except Exception as exc:
-                raise BaselineSetupError(f"{type(exc).__name__}: {exc}\n--- setup transcript\n"
-                                         f"{vm.transcript_text()}") from exc
+                raise BaselineSetupError(inert(f"{type(exc).__name__}: {exc}\n--- setup transcript\n"
+                                               f"{vm.transcript_text()}")) from exc
 
         @contextlib.contextmanager
         def scratch_guest(baseline: Baseline) -> Iterator[Guest]:

@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 from pytest_smolvm import hostfs
 from pytest_smolvm.errors import ExecError, GuestError
+from pytest_smolvm.inert import inert
 from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT, guest_timeout
 
 if TYPE_CHECKING:
@@ -65,9 +66,9 @@ class ExecResult:
         """Raise :class:`ExecError` unless the command exited 0 in time; returns self."""
         if not self.ok:
             what = "timed out" if self.timed_out else f"exited {self.exit_code}"
-            raise ExecError(
+            raise ExecError(  # its message reaches the terminal and JUnit: the guest's text made inert
                 f"guest command {what}: {self.command}\n"
-                f"--- stdout (tail)\n{_tail(self.stdout)}\n--- stderr (tail)\n{_tail(self.stderr)}",
+                f"--- stdout (tail)\n{inert(_tail(self.stdout))}\n--- stderr (tail)\n{inert(_tail(self.stderr))}",
                 self)
         return self
 

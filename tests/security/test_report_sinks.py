@@ -1,0 +1,45 @@
+"""Guest text is inert in every report sink: a guest's escape sequences act on no terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.inert import inert
+
+# An OSC 52 clipboard write, a clear screen and a C1 CSI (0x9b): what a hostile guest prints.
+ATTACK = r"printf '\033]52;c;c3RlYWw=\a\033[2J\302\23331mred\n'"
+RAW = ("\x1b]52;", "\x1b[2J", "\x9b31m")
+
+TESTS = f"""
+def test_fails_with_guest_output(smol_vm):
+    smol_vm.exec({ATTACK!r})
+    assert False
+
+def test_check_raises_with_guest_output(smol_vm):
+    smol_vm.exec({ATTACK!r} + "; exit 3", check=True)
+"""
+
+
+def test_escapes_reach_no_sink_raw(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(TESTS)
+    artifacts = pytester.path / "artifacts"
+    result = pytester.runpytest_subprocess("--junitxml=junit.xml", "--html=report.html", "--self-contained-html",
+                                           f"--smol-artifacts={artifacts}", "-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    sinks = {"terminal": result.stdout.str() + result.stderr.str(),
+             "junit": (pytester.path / "junit.xml").read_text(),
+             "html": (pytester.path / "report.html").read_text()}
+    sinks |= {str(p.relative_to(artifacts)): p.read_text() for p in artifacts.rglob("*.txt")}
+    assert len(sinks) >= 5, sorted(sinks)  # the three reports and each test's transcript files
+    raw = {name: [seq for seq in RAW if seq in text] for name, text in sinks.items()}
+    assert not {name: found for name, found in raw.items() if found}
+    # ... and still readable: the escapes are shown, in the failure and the check's message
+    assert sinks["terminal"].count("\\x1b]52;c;c3RlYWw=\\x07\\x1b[2J\\x9b31mred") >= 2
+
+
+def test_inert_keeps_newlines_and_tabs_and_escapes_every_other_control() -> None:
+    assert inert("a\tb\nc") == "a\tb\nc"
+    assert inert("\x1b[2J\r\x00\x7f\x9b") == "\\x1b[2J\\x0d\\x00\\x7f\\x9b"
+    assert inert("naïve ✓") == "naïve ✓"
