@@ -9,10 +9,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from pytest_smolvm.limits import DEFAULT_MEMORY_MB
+
 DEFAULT_PIDS_MAX = 4096  # a guest's fork bomb stops here instead of at the host's limit
-# A guest's memory (its tmpfs files included: the default 2 GiB disk fits with room to spare)
-# when the marker names none; it bounds one guest, it reserves nothing.
-DEFAULT_MEMORY_MB = 4096
 CPU_PERIOD_US = 100_000
 GUEST_PREFIX = "smolvm-"  # every guest cgroup is named so
 

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pytest_smolvm.backends import BackendOptions, Guest, VMSpec
 from pytest_smolvm.backends.smol_common import (
     DEFAULT_CPUS,
-    DEFAULT_MEMORY_MB,
     DEFAULT_READY_TIMEOUT,
     DEFAULT_TTL_SECONDS,
     DERIVED,
@@ -45,6 +44,7 @@ from pytest_smolvm.backends.smol_common import (
 from pytest_smolvm.backends.smol_guest import SmolGuest, _rename_members, delete_machine, read_local_logs
 from pytest_smolvm.backends.smol_reap import destroy_recorded, kept_machines, list_owned, owner_alive, reap_unrecorded
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
+from pytest_smolvm.limits import DEFAULT_MEMORY_MB
 from pytest_smolvm.paths import state_dir
 from pytest_smolvm.probe import ProbeResult
 from pytest_smolvm.procs import host_identity, process_start_time

@@ -394,3 +394,35 @@ def test_copy_out_renaming_keeps_content_and_flags_strays() -> None:
         assert members["payload/hard"].linkname == "payload/a"
         extracted = tar.extractfile(members["payload/sub/b"])
         assert extracted is not None and extracted.read() == b"B"
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequest) -> int:
+    """The memory the backend gave ``guest``: its cgroup (namespace), its machine (smol cloud)."""
+    if backend.name == "namespace":
+        for directory in getattr(guest, "cgroup_dirs", []):
+            for name in ("memory.limit_in_bytes", "memory.max"):
+                path = Path(directory, name)
+                if path.exists():
+                    return int(path.read_text()) >> 20
+        pytest.skip("no memory cgroup on this host: the limit is not applied")
+    if getattr(backend, "target", "") == "cloud":
+        cloud = request.getfixturevalue("loopback_cloud")
+        machine_id = getattr(guest, "machine_id", None)
+        found = [m for m in cloud.machines() if m.get("id") == machine_id or m.get("name") == guest.name]
+        assert len(found) == 1, [m.get("name") for m in cloud.machines()]
+        return int(found[0]["resources"]["memoryMb"])
+    pytest.skip(f"{backend.name}: no way to read a guest's memory from outside it")
+
+
+def test_one_default_memory_size_on_every_backend(backend: Backend, make_guest: MakeGuest,
+                                                  request: pytest.FixtureRequest) -> None:
+    """The same test gets the same memory whatever backend runs it, and memory_mb overrides it."""
+    from pytest_smolvm.limits import DEFAULT_MEMORY_MB
+
+    _, default = make_guest()
+    assert _memory_limit_mb(backend, default, request) == DEFAULT_MEMORY_MB
+    _, asked = make_guest(memory_mb=320)
+    assert _memory_limit_mb(backend, asked, request) == 320

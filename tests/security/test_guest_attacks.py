@@ -30,6 +30,7 @@ from pytest_smolvm.backends import Guest, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
 from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
+from pytest_smolvm.limits import DEFAULT_MEMORY_MB
 from pytest_smolvm.vm import VM
 from tests.security.conftest import HOST_SECRET_VAR
 
@@ -352,7 +353,7 @@ def test_8_default_limits_apply(make_vm: Callable[..., VM], ns_backend: Namespac
                 assert Path(d, "pids.max").read_text().strip() == "4096"
             for memory_file in ("memory.limit_in_bytes", "memory.max"):
                 if memory_file in names:
-                    assert int(Path(d, memory_file).read_text()) == 4096 << 20
+                    assert int(Path(d, memory_file).read_text()) == DEFAULT_MEMORY_MB << 20
     else:  # no cgroup can be had (user namespace): rlimits instead
         assert vm.exec("ulimit -u").stdout.strip() == "4096"
         assert vm.exec("ulimit -f").stdout.strip() != "unlimited"

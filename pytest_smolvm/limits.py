@@ -1,0 +1,11 @@
+"""Defaults every backend applies alike, so a test behaves the same on a laptop's microVM, on
+smol cloud and on a CI host's namespace guests."""
+
+from __future__ import annotations
+
+# A guest's memory when its marker names none, on every backend (``memory_mb`` overrides it
+# everywhere). 4 GiB let one namespace guest take most of a small CI host, and a test that
+# passed there could OOM in a 512 MiB microVM. 2 GiB fits a Python toolchain and an agent's
+# build; on the namespace backend a guest's own files count too (its disk is a tmpfs charged to
+# its cgroup), so a test that writes gigabytes asks for more.
+DEFAULT_MEMORY_MB = 2048
