@@ -415,14 +415,15 @@ def _blob(digest: str) -> str:
 
 
 def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str = "--smol-baseline",
-                caps: hostfs.Caps | None = None) -> None:
+                caps: hostfs.Caps | None = None, guest_made: bool = False) -> None:
     """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``.
 
     The layer may come from a guest (a warm baseline's export): it is unpacked by
     :mod:`pytest_smolvm.hostfs`'s rules, which trust nothing in it. Devices and FIFOs are
-    skipped (a guest gets its own /dev). Errors are UsageErrors naming ``what``.
+    skipped (a guest gets its own /dev). ``guest_made``: a guest wrote it, so its modes are
+    normalised (no setuid/setgid, see hostfs). Errors are UsageErrors naming ``what``.
     """
-    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner)
+    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner, guest_made=guest_made)
     try:
         hostfs.extract(stream, dest, policy, caps or LAYER_CAPS)
     except hostfs.UnsafeArchive as exc:

@@ -10,21 +10,38 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Unpacked baselines and digests: reusable, safe to delete when nothing runs."""
+    """Unpacked baselines and digests: reusable, safe to delete when nothing runs. Private."""
     explicit = os.environ.get("PYTEST_SMOLVM_CACHE_DIR")
     if explicit:
-        return Path(explicit)
+        return private(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pytest-smolvm"
+    return private(os.path.join(base, "pytest-smolvm"))
 
 
 def state_dir() -> Path:
-    """The host-wide registry of live guests and their scratch dirs."""
+    """The host-wide registry of live guests and their scratch dirs. Private."""
     explicit = os.environ.get("PYTEST_SMOLVM_STATE_DIR")
     if explicit:
-        return Path(explicit)
+        return private(explicit)
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "pytest-smolvm"
+    return private(os.path.join(base, "pytest-smolvm"))
+
+
+@functools.lru_cache(maxsize=16)
+def private(path: str) -> Path:
+    """``path`` as a directory only its owner can enter: made 0700, or narrowed to it if ours.
+
+    What lies below holds guests' trees (a warm baseline is a guest's export, its owners kept)
+    and their records: no other local user may reach any of it. Once per process and path.
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    except OSError:
+        pass  # unusable: whoever writes there next says so with the path
+    return Path(path)
 
 
 def runtime_dir() -> Path:
@@ -46,9 +63,9 @@ def _runtime_dir(explicit_state: str | None, xdg_runtime: str | None, euid: int,
     if explicit_state:
         return state
     if xdg_runtime and os.path.isabs(xdg_runtime) and os.path.isdir(xdg_runtime):
-        return Path(xdg_runtime) / "pytest-smolvm"
+        return private(os.path.join(xdg_runtime, "pytest-smolvm"))
     if euid == 0 and _is_tmpfs("/run"):
-        return Path("/run/pytest-smolvm")
+        return private("/run/pytest-smolvm")
     if _is_tmpfs("/dev/shm"):
         own = _own_private_dir(f"/dev/shm/pytest-smolvm-{euid}", euid)
         if own is not None:
