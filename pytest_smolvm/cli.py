@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -63,19 +62,9 @@ def _shell(args: argparse.Namespace) -> int:
     if record.backend != "namespace":
         print(f"pytest-smolvm shell: {args.name} runs on {record.backend}; use its own tooling", file=sys.stderr)
         return 2
-    pid = str(record.data.get("pid", ""))
-    command = args.command or ["/bin/sh"]
-    flags = ["-m", "-u", "-i", "-n", "-p", "-r", "-w"]
-    if os.geteuid() != 0:
-        flags += ["-U", "--preserve-credentials"]
-    env = ["/usr/bin/env", "-i", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME=/root", f"HOSTNAME={args.name}", f"TERM={os.environ.get('TERM', 'xterm')}"]
-    argv = ["nsenter", "-t", pid, *flags, *env, *command]
-    try:
-        os.execvp("nsenter", argv)
-    except OSError as exc:
-        print(f"pytest-smolvm shell: cannot run nsenter: {exc.strerror}", file=sys.stderr)
-    return 2
+    from pytest_smolvm.backends.ns_shell import shell as namespace_shell
+
+    return namespace_shell(record.data, record.name, args.command)
 
 
 def _pull(args: argparse.Namespace) -> int:

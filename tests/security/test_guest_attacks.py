@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_smolvm import registry
 from pytest_smolvm.backends import Guest, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
 from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
@@ -567,3 +568,46 @@ def test_12_a_warm_baseline_s_links_make_the_host_touch_nothing(ns_backend: Name
     finally:
         guest.destroy()
     # the canary fixture checks the host directory kept its mode and gained nothing
+
+
+# ------------------------------------------------------------------ 13. pytest-smolvm shell
+
+
+STATUS = "grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status"
+
+
+def _shell(name: str, *command: str) -> subprocess.CompletedProcess[str]:
+    """``pytest-smolvm shell NAME COMMAND...``, as a user types it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", "shell", name, *command], capture_output=True,
+                          text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_13_a_shell_in_a_kept_guest_is_confined_like_its_commands(vm: VM) -> None:
+    """The shell a user opens by hand in a kept guest ran its files with every capability, no
+    seccomp, no cgroup: the moment a hostile guest waits for. Now it is one more guest command."""
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest)
+    record = registry.Record.for_this_process(vm.name, "namespace", "sec", "sec", "test_13")
+    record.data, record.kept = guest.registry_data(), True
+    record.save()
+    try:
+        entered = _shell(vm.name, "/bin/sh", "-c", f"{STATUS}; echo from-shell > /tmp/mark; cat /proc/self/cgroup")
+        if not ROOT:  # user-namespace mode: the non-dumpable init's namespaces are root's to join
+            assert entered.returncode == 127 and "cannot enter the guest" in entered.stderr, entered
+            assert vm.exec("test -e /tmp/mark").exit_code == 1 and not Path("/tmp/mark").exists()  # ran nowhere
+            return
+        assert entered.returncode == 0, entered.stderr
+        own = dict(line.split(":\t") for line in entered.stdout.splitlines() if ":\t" in line)
+        theirs = dict(line.split(":\t") for line in vm.exec(STATUS).stdout.splitlines())
+        assert own["CapEff"] == theirs["CapEff"] and own["CapBnd"] == theirs["CapBnd"]  # the guest's set, no more
+        assert own["Seccomp"].strip() == "2" and own["NoNewPrivs"].strip() == "1"
+        assert vm.read_file("/tmp/mark") == b"from-shell\n"  # the guest's own root and mounts
+        if guest.cgroup_dirs:
+            assert ":/\n" in entered.stdout  # rooted in the guest's own cgroup
+        record.data = {**record.data, "pid_start": -1}  # the recorded init is gone; its pid reused
+        record.save()
+        stale = _shell(vm.name, "/bin/true")
+        assert stale.returncode == 2 and "is gone" in stale.stderr
+    finally:
+        record.remove()
