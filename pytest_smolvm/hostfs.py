@@ -512,6 +512,8 @@ class Extractor:
         """
         floor = 1 if self.policy.prefix else 0  # the copied tree's own root: never above it
         stack, queue = parts[:-1], [parts[-1]]
+        if len(stack) < floor:  # the copied path is itself a link: it can only point away
+            raise self._refuse("/".join(parts), "its link resolves outside the copied tree")
         hops, missing = 0, False
         while queue:
             comp = queue.pop(0)

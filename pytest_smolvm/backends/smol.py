@@ -41,7 +41,7 @@ from pytest_smolvm.backends.smol_common import (
     is_retryable,
     provision_error,
 )
-from pytest_smolvm.backends.smol_guest import SmolGuest, _rename_members, delete_machine, read_local_logs
+from pytest_smolvm.backends.smol_guest import SmolGuest, delete_machine, read_local_logs
 from pytest_smolvm.backends.smol_reap import destroy_recorded, kept_machines, list_owned, owner_alive, reap_unrecorded
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.limits import DEFAULT_MEMORY_MB
@@ -365,5 +365,5 @@ class SmolBackend:
             mark.unlink(missing_ok=True)
 
 
-__all__ = ["OwnedMachine", "SmolBackend", "SmolGuest", "_rename_members", "cloud_token_source", "destroy_recorded",
+__all__ = ["OwnedMachine", "SmolBackend", "SmolGuest", "cloud_token_source", "destroy_recorded",
            "is_retryable", "kept_machines", "list_owned", "owner_alive", "read_local_logs"]

@@ -225,9 +225,9 @@ class SmolGuest:
         dropped = [int(x) for x in report.split() if x.isdigit()][-2:] or [0, 0]
         while len(dropped) < 2:
             dropped.append(0)
-        stdout = self._read_output(f"{scratch}.out", limit, dropped[0], required=not timed_out)
-        stderr = self._read_output(f"{scratch}.err", limit, dropped[1], required=False)
-        truncated = tuple(stream for stream, lost in zip(("stdout", "stderr"), dropped[:2], strict=True) if lost)
+        stdout, cut_out = self._read_output(f"{scratch}.out", limit, dropped[0], required=not timed_out)
+        stderr, cut_err = self._read_output(f"{scratch}.err", limit, dropped[1], required=False)
+        truncated = tuple(stream for stream, cut in (("stdout", cut_out), ("stderr", cut_err)) if cut)
         return GuestExecResult(exit_code, stdout, stderr, timed_out, truncated)
 
     def _raw_exec(self, command: list[str], *, env: Mapping[str, str], workdir: str | None,
@@ -249,7 +249,8 @@ class SmolGuest:
         finally:
             timer.cancel()
 
-    def _read_output(self, path: str, limit: int, dropped: int, *, required: bool) -> bytes:
+    def _read_output(self, path: str, limit: int, dropped: int, *, required: bool) -> tuple[bytes, bool]:
+        """The output file, at most ``limit`` bytes, and whether it was cut."""
         from smol import SmolError
 
         try:
@@ -257,21 +258,16 @@ class SmolGuest:
         except SmolError as exc:
             if required and not _is_gone(exc):
                 raise GuestError(f"exec in {self.name}: could not read its output: {_describe(exc)}") from exc
-            return b""
-        return bounded(data, limit, dropped) if dropped else data
+            return b"", False
+        if dropped or len(data) > limit:
+            # Bounded here whatever the in-guest trim reported: a process the command left behind
+            # may have grown the file after it.
+            return bounded(data, limit, dropped), True
+        return data, False
 
     def _sh(self, script: str, *args: str, what: str, user: str | None = None) -> None:
         """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
-        from smol import SmolError
-
-        try:
-            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
-                                    workdir=None, timeout=PLUMBING_TIMEOUT, user=user)
-        except SmolError as exc:
-            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
-        if result.exit_code != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+        self._sh_output(script, *args, what=what, user=user)
 
     # ---------------------------------------------------------------- files
 
@@ -332,38 +328,72 @@ class SmolGuest:
 
     def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
                     user: str | None = None) -> None:
-        from smol import SmolError
-
+        """The guest's own tar of a directory, named relative to it (``./...``), which the host's
+        extractor places under ``arcname`` itself; a single file comes as one member the host
+        writes. Either way no host-side pass parses the guest's stream before hostfs does."""
         if user is not None:
             user, _home = smol_handle.resolve_user(self._machine, user, self.name)
         normalized = posixpath.normpath(guest_path)
-        parent, base = posixpath.split(normalized)
-        if not base:  # "/" itself
-            parent, base = "/", "."
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
         try:
             try:
                 # A member the user may not read fails tar as a whole: exit 13 says so.
-                self._sh('e=$(tar -cf "$1" -C "$2" -- "$3" 2>&1) && exit 0; echo "$e" | tail -n 3 >&2; '
-                         'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1',
-                         staged, parent or "/", base, what=f"copy_out of {guest_path}", user=user)
+                kind = self._sh_output(
+                    'if [ -d "$2" ] && [ ! -L "$2" ]; then cd "$2" || exit 1; '
+                    'e=$(tar -cf "$1" . 2>&1) && { echo dir; exit 0; }; echo "$e" | tail -n 3 >&2; '
+                    'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1; '
+                    'elif [ -L "$2" ]; then echo link; readlink -- "$2"; '
+                    'elif [ -f "$2" ]; then echo file; stat -c "%a %s" -- "$2"; '
+                    'elif [ -e "$2" ]; then echo other; else echo "No such file or directory" >&2; exit 2; fi',
+                    staged, normalized, what=f"copy_out of {guest_path}", user=user)
             except GuestError as exc:
                 refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
                 if refused is None and "Permission denied" in str(exc):
                     refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
                 raise refused or exc from None
-            try:
-                data = self._machine.read_file(staged)
-            except SmolError as exc:
-                raise GuestError(f"copy_out of {guest_path} in {self.name}: {_describe(exc)}") from exc
+            what, _, detail = kind.partition("\n")
+            if what == "dir":
+                data = self._read_bounded(staged, f"copy_out of {guest_path}")
+            elif what == "file":
+                mode, size = (int(field, 8 if i == 0 else 10) for i, field in enumerate(detail.split()[:2]))
+                data = _one_member(arcname, self._read_bounded(normalized, f"copy_out of {guest_path}",
+                                                              size), mode=mode)
+            elif what == "link":
+                data = _one_member(arcname, b"", link=detail.strip())  # judged by hostfs like any link
+            else:
+                raise GuestError(f"copy_out of {guest_path}: not a regular file, directory or symlink")
         finally:
             with contextlib.suppress(GuestError):
                 self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
-        # BusyBox tar cannot rename members, so the renaming to ``arcname`` happens here.
-        with tempfile.TemporaryFile() as renamed:
-            _rename_members(io.BytesIO(data), renamed, base, arcname)
-            renamed.seek(0)
-            consume(renamed)
+        consume(io.BytesIO(data))
+
+    def _read_bounded(self, path: str, what: str, size: int | None = None) -> bytes:
+        """A guest file read whole (the SDK has no ranged read), refused past copy_out's byte cap."""
+        from smol import SmolError
+
+        if size is not None and size > hostfs.DEFAULT_MAX_BYTES:
+            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if len(data) > hostfs.DEFAULT_MAX_BYTES + hostfs.HEADER_ALLOWANCE * 1024:
+            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        return bytes(data)
+
+    def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:
+        """:meth:`_sh`, returning the snippet's stdout."""
+        from smol import SmolError
+
+        try:
+            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
+                                    workdir=None, timeout=PLUMBING_TIMEOUT, user=user)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if result.exit_code != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+        return str(result.stdout)
 
     # ---------------------------------------------------------------- logs and lifetime
 
@@ -447,33 +477,14 @@ def read_local_logs(name: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
     return "\n".join(parts)
 
 
-def _rename_members(source: IO[bytes], out: IO[bytes], base: str, arcname: str) -> None:
-    """Copy a guest tar stream, renaming the top entry ``base`` to ``arcname``; content is untouched.
-
-    Names that are not under ``base`` pass through unchanged for the consumer to refuse.
-    """
-
-    def rename(name: str) -> str:
-        stripped = name[2:] if name.startswith("./") and base != "." else name
-        if stripped == base:
-            return arcname
-        if stripped.startswith(base + "/"):
-            return arcname + stripped[len(base):]
-        return name
-
-    written = 0
-    try:
-        with tarfile.open(fileobj=source, mode="r|") as tin, \
-                tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tout:
-            for member in tin:
-                fileobj = tin.extractfile(member) if member.isreg() else None
-                written += member.size if member.isreg() else 0
-                if written > hostfs.DEFAULT_MAX_BYTES:  # a sparse member would expand in full here
-                    raise GuestError(f"copy_out: the guest's archive holds more than {hostfs.DEFAULT_MAX_BYTES} "
-                                     "bytes (the cap); refused")
-                changes: dict[str, Any] = {"name": rename(member.name)}
-                if member.islnk():
-                    changes["linkname"] = rename(member.linkname)
-                tout.addfile(member.replace(**changes, deep=False), fileobj)
-    except tarfile.TarError as exc:
-        raise GuestError(f"copy_out: the guest sent an unreadable archive: {exc}") from exc
+def _one_member(name: str, data: bytes, *, mode: int = 0o644, link: str | None = None) -> bytes:
+    """A one-member tar the host writes itself (a copied file or link): nothing of it is parsed."""
+    info = tarfile.TarInfo(name)
+    if link is not None:
+        info.type, info.linkname = tarfile.SYMTYPE, link
+    else:
+        info.size, info.mode = len(data), mode & 0o7777
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(data) if link is None else None)
+    return buffer.getvalue()
