@@ -107,15 +107,20 @@ def planned(limits: Limits, name: str) -> list[str]:
 
 
 def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | None,
-           defaults: bool = True) -> list[str]:
+           defaults: bool = True, disk_mb: int = 0) -> list[str]:
     """Make the guest's cgroup(s) with its limits; returns the dirs to join and later remove.
 
     With ``defaults`` a limit the marker left unset gets its default; without, only what the
     marker asked for (and the pids limit, which keeps a fork bomb off the host) applies.
+    ``memory_mb`` is what the guest's processes get, as a microVM's RAM is: the guest's files
+    live in its tmpfs disk, charged to this cgroup too, so ``disk_mb`` is added to the limit
+    (else a guest filling its disk would be killed for memory instead of told ENOSPC).
     """
     if defaults:
         cpus = cpus or default_cpus()
         memory_mb = memory_mb or DEFAULT_MEMORY_MB
+    if memory_mb:
+        memory_mb += disk_mb
     made: list[str] = []
     dirs = sorted(set(limits.parents.values())) if limits.version == "v2" else None
     try:

@@ -29,6 +29,9 @@ BUILTIN_BACKENDS = {
 }
 
 
+DEFAULT_DISK_MB = 2048  # a namespace guest's tmpfs disk; its files count toward the guest's memory cgroup
+
+
 @dataclass(frozen=True)
 class VMSpec:
     """Everything a backend needs to make one guest; resolved from marker, CLI, ini and defaults."""
@@ -37,7 +40,7 @@ class VMSpec:
     baseline: Baseline
     cpus: float | None = None
     memory_mb: int | None = None
-    disk_mb: int = 2048
+    disk_mb: int = DEFAULT_DISK_MB
     network: bool = False
     allow_hosts: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)

@@ -465,7 +465,8 @@ class NamespaceBackend:
         cgroup_dirs: list[str] = []
         try:
             cgroup_dirs = cgroups.create(self.limits, f"{tag}-{spec.name}",
-                                         cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax)
+                                         cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax,
+                                         disk_mb=spec.disk_mb)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
                 "state": str(state), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,

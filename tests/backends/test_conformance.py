@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.backends import Backend, BackendOptions, Guest
+from pytest_smolvm.backends import DEFAULT_DISK_MB, Backend, BackendOptions, Guest
 from pytest_smolvm.errors import GuestError, UsageError
 from pytest_smolvm.vm import VM
 from tests.backends.conftest import RUN_ID, MakeGuest
@@ -401,8 +401,8 @@ def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequ
         for directory in getattr(guest, "cgroup_dirs", []):
             for name in ("memory.limit_in_bytes", "memory.max"):
                 path = Path(directory, name)
-                if path.exists():
-                    return int(path.read_text()) >> 20
+                if path.exists():  # the guest's tmpfs disk is charged to it as well: not the processes'
+                    return (int(path.read_text()) >> 20) - DEFAULT_DISK_MB
         pytest.skip("no memory cgroup on this host: the limit is not applied")
     if getattr(backend, "target", "") == "cloud":
         cloud = request.getfixturevalue("loopback_cloud")

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm import registry
-from pytest_smolvm.backends import Guest, VMSpec
+from pytest_smolvm.backends import DEFAULT_DISK_MB, Guest, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
 from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
@@ -354,7 +354,8 @@ def test_8_default_limits_apply(make_vm: Callable[..., VM], ns_backend: Namespac
                 assert Path(d, "pids.max").read_text().strip() == "4096"
             for memory_file in ("memory.limit_in_bytes", "memory.max"):
                 if memory_file in names:
-                    assert int(Path(d, memory_file).read_text()) == DEFAULT_MEMORY_MB << 20
+                    # the processes' default, plus the tmpfs disk whose files are charged here too
+                    assert int(Path(d, memory_file).read_text()) == (DEFAULT_MEMORY_MB + DEFAULT_DISK_MB) << 20
     else:  # no cgroup can be had (user namespace): rlimits instead
         assert vm.exec("ulimit -u").stdout.strip() == "4096"
         assert vm.exec("ulimit -f").stdout.strip() != "unlimited"
@@ -363,7 +364,7 @@ def test_8_default_limits_apply(make_vm: Callable[..., VM], ns_backend: Namespac
 def test_8b_an_oom_kill_is_reported(make_vm: Callable[..., VM], ns_backend: NamespaceBackend) -> None:
     if "memory" not in ns_backend.limits.parents:
         pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
-    vm = make_vm(memory_mb=64)
+    vm = make_vm(memory_mb=64, disk_mb=16)  # the cgroup holds the processes and the disk (a tmpfs)
     result = vm.exec("dd if=/dev/zero of=/dev/null bs=200M count=1", timeout=60)
     assert result.exit_code != 0
     assert "ran out of memory" in result.stderr
