@@ -1,0 +1,114 @@
+"""User-mode NAT for a namespace guest that asked for the network (``network=True``).
+
+The guest always has a network namespace of its own. For ``network=True`` the host attaches
+pasta (Debian package ``passt``) to it: pasta gives the namespace a tap interface and carries
+its TCP/UDP out through ordinary sockets of the host. pasta over slirp4netns: it is in Debian 12,
+needs no setuid helper, and can be told to map nothing of the host into the guest
+(``--no-map-gw``, ``-T none -U none``: the gateway address and the guest's loopback ports are
+otherwise forwarded to the host's loopback).
+
+What pasta alone would still let through, the guest's own routing table refuses: ``prohibit``
+routes for 169.254.0.0/16 (cloud metadata) and for each of the host's own addresses, set from
+the host before the guest runs anything. The guest has no CAP_NET_ADMIN, so it cannot remove
+them. IPv4 only (``-4``): no IPv6 routes means no fe80::/10 either.
+
+pasta's lifetime is bound to the guest's init by a watcher process: when the init exits (destroy,
+or the owning pytest died and the init saw its socket close), the watcher kills pasta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pytest_smolvm.errors import ProvisionError
+
+INSTALL_HINT = "network=True on the namespace backend needs pasta: apt-get install -y passt"
+PROHIBITED = ("169.254.0.0/16",)
+READY_TIMEOUT = 10.0
+
+# Runs as its own process: starts pasta (argv[3:]) with the guest's netns fd (argv[2]) and
+# kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
+# cannot fool it. SIGTERM is ignored so that a terminal's ^C kills pasta through the init only.
+_WATCHER = """
+import os, select, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+init = os.pidfd_open(int(sys.argv[1]))
+p = subprocess.Popen(sys.argv[3:], pass_fds=(int(sys.argv[2]),), stdin=subprocess.DEVNULL)
+select.select([init, os.pidfd_open(p.pid)], [], [])
+p.kill()
+p.wait()
+"""
+
+
+def pasta() -> str:
+    found = shutil.which("pasta")
+    if found is None:
+        raise ProvisionError(INSTALL_HINT)
+    return found
+
+
+def host_addresses() -> list[str]:
+    """The host's own IPv4 addresses (every interface), to be refused inside the guest."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            addr = fields[fields.index("inet") + 1].split("/")[0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                found.append(addr)
+    return found
+
+
+def start_nat(init_pid: int, scratch: Path) -> subprocess.Popen[bytes]:
+    """Attach pasta to the guest's network namespace and fence off the host; the watcher process."""
+    binary = pasta()
+    pidfile = scratch / "pasta.pid"
+    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        # Fence first: the guest runs nothing before create returns, and the routes do not
+        # depend on the interface pasta makes.
+        for prefix in [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]:
+            _ip_in(netns, "route", "add", "prohibit", prefix)
+        argv = [binary, "-f", "-q", "-4", "--runas", "0", "--config-net", "--no-map-gw",
+                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
+                "--netns", f"/proc/self/fd/{netns}"]
+        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), str(netns), *argv],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, pass_fds=(netns,), start_new_session=True)
+    finally:
+        os.close(netns)
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not pidfile.exists():
+        if watcher.poll() is not None or time.monotonic() > deadline:
+            err = watcher.stderr.read().decode(errors="replace") if watcher.stderr else ""
+            stop_nat(watcher)
+            pidfile.unlink(missing_ok=True)
+            raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
+        time.sleep(0.005)
+    pidfile.unlink()  # the scratch dir must be empty for the guest's removal
+    return watcher
+
+
+def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
+    """Stop pasta and its watcher now (they share a process group of their own) and reap the watcher."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(watcher.pid, signal.SIGKILL)
+    watcher.wait()
+    if watcher.stderr:
+        watcher.stderr.close()
+
+
+def _ip_in(netns: int, *args: str) -> None:
+    done = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", *args],
+                          pass_fds=(netns,), capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise ProvisionError(f"ip {' '.join(args)} in the guest's network namespace: {done.stderr.strip()}")

@@ -1,0 +1,105 @@
+"""network=True on the namespace backend: NAT to a stand-in internet, never the host's network.
+
+The stand-in internet is a network namespace this module makes (a veth pair to the host,
+10.231.0.0/24 of our own choosing) with a TCP server in it: nothing leaves the machine.
+Root only: making the stand-in needs CAP_NET_ADMIN on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is None or shutil.which("ip") is None,
+                                reason="needs root (to make the stand-in internet), pasta and ip")
+
+INTERNET_HOST = "10.231.0.2"
+HOST_SIDE = "10.231.0.1"
+
+
+@pytest.fixture
+def stand_in_internet() -> Iterator[str]:
+    """A namespace at 10.231.0.2 serving TCP port 8080, routed from the host over a veth pair."""
+    tag = uuid.uuid4().hex[:6]
+    ns, veth = f"smolvm-egress-{tag}", f"se{tag}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    server = None
+    try:
+        for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                    ["ip", "addr", "add", f"{HOST_SIDE}/24", "dev", veth], ["ip", "link", "set", veth, "up"],
+                    ["ip", "-n", ns, "addr", "add", f"{INTERNET_HOST}/24", "dev", "eth0"],
+                    ["ip", "-n", ns, "link", "set", "eth0", "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True)
+        server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-m", "http.server", "8080",
+                                   "--bind", INTERNET_HOST], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        yield INTERNET_HOST
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", veth], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def _pasta_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "pasta -f -q -4" in line and "ps -eo" not in line]
+
+
+def test_network_true_reaches_the_internet_and_nothing_of_the_hosts(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import socket, threading
+        import pytest
+
+        @pytest.fixture
+        def host_server():
+            # Every address of the host: its loopback and its other interfaces (the veth end too).
+            server = socket.socket()
+            server.bind(("0.0.0.0", 0))
+            server.listen(16)
+            threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(16)],
+                             daemon=True).start()
+            yield server.getsockname()[1]
+            server.close()
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm, host_server):
+            # 'sleep 1': pasta's tap is up when create returns, its first ARP/route may lag.
+            r = smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+            assert "reached" in r.stdout, r.stderr
+            for addr in ("127.0.0.1", "{HOST_SIDE}"):
+                r = smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}")
+                assert r.exit_code != 0, f"the guest reached the host's listener on {{addr}}"
+            assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0, "metadata endpoint reached"
+
+        def test_default_is_off(smol_vm):
+            r = smol_vm.exec("wget -q -T 3 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+            assert "reached" not in r.stdout
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+    assert _pasta_processes() == []
+
+
+def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import os, signal
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_killed(smol_vm):
+            smol_vm.exec("true")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    pytester.runpytest_subprocess()
+    import time
+    deadline = time.monotonic() + 10
+    while _pasta_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pasta_processes() == []
