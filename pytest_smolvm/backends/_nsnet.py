@@ -34,14 +34,14 @@ INSTALL_HINT = "network=True on the namespace backend needs pasta: apt-get insta
 PROHIBITED = ("169.254.0.0/16",)
 READY_TIMEOUT = 10.0
 
-# Runs as its own process: starts pasta (argv[3:]) with the guest's netns fd (argv[2]) and
+# Runs as its own process: starts pasta (argv[3:]) with the guest's namespace fds (argv[2]) and
 # kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
 # cannot fool it. SIGTERM is ignored so that a terminal's ^C kills pasta through the init only.
 _WATCHER = """
 import os, select, signal, subprocess, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
-p = subprocess.Popen(sys.argv[3:], pass_fds=(int(sys.argv[2]),), stdin=subprocess.DEVNULL)
+p = subprocess.Popen(sys.argv[3:], pass_fds=[int(f) for f in sys.argv[2].split(",")], stdin=subprocess.DEVNULL)
 select.select([init, os.pidfd_open(p.pid)], [], [])
 p.kill()
 p.wait()
@@ -73,19 +73,27 @@ def start_nat(init_pid: int, scratch: Path) -> subprocess.Popen[bytes]:
     binary = pasta()
     pidfile = scratch / "pasta.pid"
     netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    # Not root (user-namespace mode): the guest's netns belongs to its user namespace, which
+    # this user owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
+    userns = -1 if os.geteuid() == 0 else os.open(f"/proc/{init_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    fds = (netns,) if userns < 0 else (netns, userns)
     try:
         # Fence first: the guest runs nothing before create returns, and the routes do not
         # depend on the interface pasta makes.
         for prefix in [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]:
-            _ip_in(netns, "route", "add", "prohibit", prefix)
-        argv = [binary, "-f", "-q", "-4", "--runas", "0", "--config-net", "--no-map-gw",
+            _ip_in(netns, userns, "route", "add", "prohibit", prefix)
+        # As root pasta would switch to nobody and could no longer join the namespace;
+        # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
+        who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+        argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
                 "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
                 "--netns", f"/proc/self/fd/{netns}"]
-        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), str(netns), *argv],
+        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, pass_fds=(netns,), start_new_session=True)
+                                   stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
     finally:
-        os.close(netns)
+        for fd in fds:
+            os.close(fd)
     deadline = time.monotonic() + READY_TIMEOUT
     while not pidfile.exists():
         if watcher.poll() is not None or time.monotonic() > deadline:
@@ -107,8 +115,11 @@ def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
         watcher.stderr.close()
 
 
-def _ip_in(netns: int, *args: str) -> None:
-    done = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", *args],
-                          pass_fds=(netns,), capture_output=True, text=True, check=False)
+def _ip_in(netns: int, userns: int, *args: str) -> None:
+    enter = [f"--net=/proc/self/fd/{netns}"]
+    if userns >= 0:
+        enter = [f"--user=/proc/self/fd/{userns}", "--preserve-credentials", *enter]
+    done = subprocess.run(["nsenter", *enter, "ip", *args], pass_fds=(netns,) if userns < 0 else (netns, userns),
+                          capture_output=True, text=True, check=False)
     if done.returncode:
         raise ProvisionError(f"ip {' '.join(args)} in the guest's network namespace: {done.stderr.strip()}")

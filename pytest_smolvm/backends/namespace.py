@@ -460,6 +460,11 @@ class NamespaceBackend:
             raise ProvisionError("allow_hosts needs the smol backend: the namespace backend can only "
                                  "give a guest no network (the default) or NAT to any address (network=True)")
         if spec.network:
+            if self.userns:
+                # The host cannot open a user-namespace guest's netns yet (its init is not
+                # dumpable; the zygote would have to pass the fd): refused, never the host's network.
+                raise ProvisionError("network=True on the namespace backend needs root for now "
+                                     "(user-namespace mode has no NAT yet): run as root or use the smol backend")
             _nsnet.pasta()  # the install hint, before anything is made
         rootfs = self.rootfs(spec.baseline)
         state, tag = self._state

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,3 +105,38 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
     while _pasta_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _pasta_processes() == []
+
+
+def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
+    """A normal user's guest (a user namespace) asking for the network is refused, not given the host's."""
+    from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
+
+    if shutil.which("setpriv") is None or _nobody_cannot_import():
+        pytest.skip("user nobody cannot run this interpreter's pytest")
+    home = Path(tempfile.mkdtemp(prefix="smolvm-egress-nobody-"))
+    try:
+        home.chmod(0o755)
+        (home / "test_user.py").write_text("""
+import pytest
+
+@pytest.mark.smol(network=True)
+def test_nat(smol_vm):
+    pass
+""")
+        for sub in ("state", "cache", "tmp"):
+            (home / sub).mkdir()
+        for path in [home, *home.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+        env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
+               "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
+               "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
+        result = subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+             "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
+            cwd=home, env=env, capture_output=True, text=True, timeout=300)
+        # Not NAT yet in this mode, and never the host's network (what it was before): refused, one line.
+        assert "1 error" in result.stdout, result.stdout + result.stderr
+        assert "network=True on the namespace backend needs root for now" in result.stdout
+        assert _pasta_processes() == []
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
