@@ -140,3 +140,50 @@ def test_nat(smol_vm):
         assert _pasta_processes() == []
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pytester, smol_state: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bare = pytester.mkdir("bin-without-pasta")
+    for tool in ("ip", "nsenter", "sh", "mount", "umount", "setpriv", "unshare"):
+        found = shutil.which(tool)
+        if found:
+            (bare / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bare))
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm):
+            pass
+
+        def test_off_still_works(smol_vm):
+            assert smol_vm.exec("true").exit_code == 0
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta: apt-get install -y passt*"])
+
+
+def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import pytest
+
+        URL = "http://{stand_in_internet}:8080/"
+
+        @pytest.mark.parametrize("i", range(3))
+        @pytest.mark.smol(network=True)
+        def test_on(smol_vm, i):
+            assert "ok" in smol_vm.exec(f"wget -q -T 5 -O /dev/null {{URL}} && echo ok").stdout
+
+        @pytest.mark.parametrize("i", range(3))
+        def test_off(smol_vm, i):
+            assert "ok" not in smol_vm.exec(f"wget -q -T 2 -O /dev/null {{URL}} && echo ok").stdout
+
+        @pytest.mark.smol(network=True)
+        def test_fails(smol_vm):
+            assert False, "a failing test with the network on"
+    """)
+    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=6, failed=1)
+    assert _pasta_processes() == []
