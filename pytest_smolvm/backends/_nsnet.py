@@ -80,8 +80,8 @@ def start_nat(init_pid: int, scratch: Path) -> subprocess.Popen[bytes]:
     try:
         # Fence first: the guest runs nothing before create returns, and the routes do not
         # depend on the interface pasta makes.
-        for prefix in [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]:
-            _ip_in(netns, userns, "route", "add", "prohibit", prefix)
+        prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
+        _ip_in(netns, userns, "".join(f"route add prohibit {p}\n" for p in prefixes))
         # As root pasta would switch to nobody and could no longer join the namespace;
         # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
         who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
@@ -115,11 +115,13 @@ def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
         watcher.stderr.close()
 
 
-def _ip_in(netns: int, userns: int, *args: str) -> None:
+def _ip_in(netns: int, userns: int, batch: str) -> None:
+    """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
     enter = [f"--net=/proc/self/fd/{netns}"]
     if userns >= 0:
         enter = [f"--user=/proc/self/fd/{userns}", "--preserve-credentials", *enter]
-    done = subprocess.run(["nsenter", *enter, "ip", *args], pass_fds=(netns,) if userns < 0 else (netns, userns),
+    done = subprocess.run(["nsenter", *enter, "ip", "-batch", "-"], input=batch,
+                          pass_fds=(netns,) if userns < 0 else (netns, userns),
                           capture_output=True, text=True, check=False)
     if done.returncode:
-        raise ProvisionError(f"ip {' '.join(args)} in the guest's network namespace: {done.stderr.strip()}")
+        raise ProvisionError(f"ip in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
