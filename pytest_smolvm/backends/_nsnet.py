@@ -23,6 +23,7 @@ import ipaddress
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,7 +69,35 @@ def host_addresses() -> list[str]:
     return found
 
 
-def start_nat(init_pid: int, scratch: Path) -> subprocess.Popen[bytes]:
+def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4Network], dict[str, list[str]]]:
+    """``allow_hosts`` as IPv4 networks, and the names among them with their addresses.
+
+    Names resolve here, once, on the host, when the guest is made; the guest gets them in its
+    /etc/hosts and may reach those addresses only. A name whose address changes mid-test keeps
+    the address it had at creation. A name or address that is not IPv4 is refused in one line.
+    """
+    nets: list[ipaddress.IPv4Network] = []
+    names: dict[str, list[str]] = {}
+    for entry in allow_hosts:
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            try:
+                found = socket.getaddrinfo(entry, None, socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ProvisionError(f"allow_hosts: {entry!r} does not resolve on the host: {exc}") from None
+            addrs = sorted({str(info[4][0]) for info in found})
+            names[entry] = addrs
+            nets.extend(ipaddress.IPv4Network(f"{a}/32") for a in addrs)
+            continue
+        if not isinstance(net, ipaddress.IPv4Network):
+            raise ProvisionError(f"allow_hosts: {entry!r}: the namespace backend's NAT is IPv4 only")
+        nets.append(net)
+    return nets, names
+
+
+def start_nat(init_pid: int, scratch: Path,
+              allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
     """Attach pasta to the guest's network namespace and fence off the host; the watcher process."""
     binary = pasta()
     pidfile = scratch / "pasta.pid"
@@ -103,7 +132,35 @@ def start_nat(init_pid: int, scratch: Path) -> subprocess.Popen[bytes]:
             raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
         time.sleep(0.005)
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
+    if allowed is not None:
+        try:
+            _allow_only(init_pid, allowed)
+        except BaseException:
+            stop_nat(watcher)
+            raise
     return watcher
+
+
+def _allow_only(init_pid: int, allowed: list[ipaddress.IPv4Network]) -> None:
+    """Refuse every address but ``allowed``: two /1 prohibit routes beat pasta's default route,
+    a route per allowed network (more specific) goes through pasta's gateway. The host's own
+    addresses and 169.254.0.0/16 stay refused: a /32 prohibit beats any allowed network, and an
+    allowed /32 equal to one of them is left out."""
+    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        probe = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", "-4", "route", "show", "default"],
+                               pass_fds=(netns,), capture_output=True, text=True, check=False).stdout.split()
+        if "via" not in probe or "dev" not in probe:
+            raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
+        gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
+        fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
+            ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
+        batch = "route add prohibit 0.0.0.0/1\nroute add prohibit 128.0.0.0/1\n"
+        for net in sorted(set(allowed) - fenced):
+            batch += f"route add {net} via {gateway} dev {dev} onlink\n"
+        _ip_in(netns, -1, batch)
+    finally:
+        os.close(netns)
 
 
 def stop_nat(watcher: subprocess.Popen[bytes]) -> None:

@@ -456,10 +456,8 @@ class NamespaceBackend:
         return state, cgroups.state_tag(state)
 
     def create(self, spec: VMSpec) -> NamespaceGuest:
-        if spec.allow_hosts:
-            raise ProvisionError("allow_hosts needs the smol backend: the namespace backend can only "
-                                 "give a guest no network (the default) or NAT to any address (network=True)")
-        if spec.network:
+        allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
+        if spec.network or allowed is not None:
             if self.userns:
                 # The host cannot open a user-namespace guest's netns yet (its init is not
                 # dumpable; the zygote would have to pass the fd): refused, never the host's network.
@@ -491,9 +489,13 @@ class NamespaceBackend:
             raise
         ctl = socket.socket(fileno=fds[0])
         guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
-        if spec.network:
+        if spec.network or allowed is not None:
             try:
-                guest.nat = _nsnet.start_nat(guest.pid, scratch)
+                guest.nat = _nsnet.start_nat(guest.pid, scratch, allowed[0] if allowed is not None else None)
+                if allowed is not None and allowed[1]:
+                    hosts = "".join(f"{a} {name}\n" for name, addrs in allowed[1].items() for a in addrs)
+                    guest.exec(["sh", "-c", "cat >> /etc/hosts"], env={}, workdir=None, stdin=hosts.encode(),
+                               timeout=30, output_limit=1 << 16, user="root")
             except BaseException:
                 guest.destroy()
                 raise

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is No
 
 INTERNET_HOST = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
+OTHER_HOST = "10.231.0.3"  # the stand-in internet's second host: not on any allowlist
 
 
 @pytest.fixture
@@ -36,10 +37,11 @@ def stand_in_internet() -> Iterator[str]:
         for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
                     ["ip", "addr", "add", f"{HOST_SIDE}/24", "dev", veth], ["ip", "link", "set", veth, "up"],
                     ["ip", "-n", ns, "addr", "add", f"{INTERNET_HOST}/24", "dev", "eth0"],
+                    ["ip", "-n", ns, "addr", "add", f"{OTHER_HOST}/24", "dev", "eth0"],
                     ["ip", "-n", ns, "link", "set", "eth0", "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]):
             subprocess.run(cmd, check=True)
         server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-m", "http.server", "8080",
-                                   "--bind", INTERNET_HOST], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   "--bind", "0.0.0.0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         yield INTERNET_HOST
     finally:
         if server is not None:
@@ -186,4 +188,40 @@ def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_
             assert False, "a failing test with the network on"
     """)
     pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=6, failed=1)
+    assert _pasta_processes() == []
+
+
+def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import pytest
+
+        def get(vm, host):
+            return "ok" in vm.exec(f"wget -q -T 3 -O /dev/null http://{{host}}:8080/ && echo ok").stdout
+
+        @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
+        def test_by_ip(smol_vm):
+            assert get(smol_vm, "{INTERNET_HOST}")
+            assert not get(smol_vm, "{OTHER_HOST}"), "an address not on the allowlist was reached"
+            assert not get(smol_vm, "{HOST_SIDE}"), "the host was reached"
+            assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
+            assert smol_vm.exec("ip route del prohibit 0.0.0.0/1").exit_code != 0  # no CAP_NET_ADMIN
+
+        @pytest.mark.smol(allow_hosts=["10.231.0.0/24"])
+        def test_by_cidr(smol_vm):
+            assert get(smol_vm, "{INTERNET_HOST}") and get(smol_vm, "{OTHER_HOST}")
+            assert not get(smol_vm, "{HOST_SIDE}"), "an allowed CIDR reopened the host's own address"
+
+        @pytest.mark.smol(allow_hosts=["localhost"])
+        def test_by_name_lands_in_etc_hosts(smol_vm):
+            assert "localhost" in smol_vm.exec("tail -n 1 /etc/hosts").stdout
+            assert not get(smol_vm, "{INTERNET_HOST}")
+
+        @pytest.mark.smol(allow_hosts=["no-such-name.invalid"])
+        def test_unresolvable(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*allow_hosts: 'no-such-name.invalid' does not resolve on the host*"])
     assert _pasta_processes() == []
