@@ -510,8 +510,8 @@ def test_guest_cannot_reach_the_hosts_loopback(pytester: pytest.Pytester, smol_s
             assert smol_vm.exec("ip -o link | grep -v ' lo:' | wc -l").stdout.strip() == "0"
 
         @pytest.mark.smol(network=True)
-        def test_network_true_shares_the_hosts(smol_vm, host_server):
-            assert smol_vm.exec(f"nc -z -w 2 127.0.0.1 {host_server}").exit_code == 0
+        def test_network_true_is_nat_not_the_hosts(smol_vm, host_server):
+            assert smol_vm.exec(f"nc -z -w 2 127.0.0.1 {host_server}").exit_code != 0
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
 

@@ -315,8 +315,7 @@ def _enter_root(root: str, req: dict[str, Any]) -> None:
                 if not req["userns"]:
                     raise
     socket.sethostname(req["hostname"])
-    if not req["network"]:
-        _loopback_up()
+    _loopback_up()
     os.chdir(root)
     _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
@@ -882,9 +881,9 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         _join_cgroups(req["cgroup_procs"])
         # The cgroup namespace starts at the guest's own cgroup (joined just above): the guest
         # sees "/" in /proc/self/cgroup and can never name, let alone kill, a host cgroup.
-        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP
-        if not req["network"]:
-            flags |= CLONE_NEWNET
+        # Always a network namespace of its own: network=True gets user-mode NAT into it from
+        # the host side (backends/_nsnet.py), never the host's namespace.
+        flags = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP | CLONE_NEWNET
         uid, gid = os.getuid(), os.getgid()
         if req["userns"]:
             flags |= CLONE_NEWUSER | CLONE_NEWPID

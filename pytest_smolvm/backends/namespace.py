@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pytest_smolvm import cgroups, seccomp
-from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec
+from pytest_smolvm.backends import BackendOptions, Cancel, Guest, GuestExecResult, OutputCallback, VMSpec, _nsnet
 from pytest_smolvm.backends._nscall import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
@@ -171,6 +171,7 @@ class NamespaceGuest:
         # none. The group part is not honoured separately: the user's own groups apply.
         self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
+        self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
 
     # ---------------------------------------------------------------- the Guest protocol
 
@@ -348,6 +349,8 @@ class NamespaceGuest:
             return
         self._channel.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
+        if self.nat is not None:
+            _nsnet.stop_nat(self.nat)  # exiting by itself already: the guest's init is gone
         self._destroyed = True
 
 
@@ -453,9 +456,14 @@ class NamespaceBackend:
         return state, cgroups.state_tag(state)
 
     def create(self, spec: VMSpec) -> NamespaceGuest:
-        if spec.allow_hosts:
-            raise ProvisionError("allow_hosts needs the smol backend: the namespace backend can only "
-                                 "give a guest no network (the default) or the host's (network=True)")
+        allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
+        if spec.network or allowed is not None:
+            if self.userns:
+                # The host cannot open a user-namespace guest's netns yet (its init is not
+                # dumpable; the zygote would have to pass the fd): refused, never the host's network.
+                raise ProvisionError("network=True on the namespace backend needs root for now "
+                                     "(user-namespace mode has no NAT yet): run as root or use the smol backend")
+            _nsnet.pasta()  # the install hint, before anything is made
         rootfs = self.rootfs(spec.baseline)
         state, tag = self._state
         scratch = state / "scratch" / spec.name
@@ -481,7 +489,18 @@ class NamespaceBackend:
             scratch.rmdir()
             raise
         ctl = socket.socket(fileno=fds[0])
-        return NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+        guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+        if spec.network or allowed is not None:
+            try:
+                guest.nat = _nsnet.start_nat(guest.pid, scratch, allowed[0] if allowed is not None else None)
+                if allowed is not None and allowed[1]:
+                    hosts = "".join(f"{a} {name}\n" for name, addrs in allowed[1].items() for a in addrs)
+                    guest.exec(["sh", "-c", "cat >> /etc/hosts"], env={}, workdir=None, stdin=hosts.encode(),
+                               timeout=30, output_limit=1 << 16, user="root")
+            except BaseException:
+                guest.destroy()
+                raise
+        return guest
 
     def reserve(self, name: str) -> dict[str, Any]:
         """What ``create`` makes on the host for ``name``, saved in its record before it exists.

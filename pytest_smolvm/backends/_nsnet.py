@@ -1,0 +1,184 @@
+"""User-mode NAT for a namespace guest that asked for the network (``network=True``).
+
+The guest always has a network namespace of its own. For ``network=True`` the host attaches
+pasta (Debian package ``passt``) to it: pasta gives the namespace a tap interface and carries
+its TCP/UDP out through ordinary sockets of the host. pasta over slirp4netns: it is in Debian 12,
+needs no setuid helper, and can be told to map nothing of the host into the guest
+(``--no-map-gw``, ``-T none -U none``: the gateway address and the guest's loopback ports are
+otherwise forwarded to the host's loopback).
+
+What pasta alone would still let through, the guest's own routing table refuses: ``prohibit``
+routes for 169.254.0.0/16 (cloud metadata) and for each of the host's own addresses, set from
+the host before the guest runs anything. The guest has no CAP_NET_ADMIN, so it cannot remove
+them. IPv4 only (``-4``): no IPv6 routes means no fe80::/10 either.
+
+pasta's lifetime is bound to the guest's init by a watcher process: when the init exits (destroy,
+or the owning pytest died and the init saw its socket close), the watcher kills pasta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pytest_smolvm.errors import ProvisionError
+
+INSTALL_HINT = "network=True on the namespace backend needs pasta: apt-get install -y passt"
+PROHIBITED = ("169.254.0.0/16",)
+READY_TIMEOUT = 10.0
+
+# Runs as its own process: starts pasta (argv[3:]) with the guest's namespace fds (argv[2]) and
+# kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
+# cannot fool it. SIGTERM is ignored so that a terminal's ^C kills pasta through the init only.
+_WATCHER = """
+import os, select, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+init = os.pidfd_open(int(sys.argv[1]))
+p = subprocess.Popen(sys.argv[3:], pass_fds=[int(f) for f in sys.argv[2].split(",")], stdin=subprocess.DEVNULL)
+select.select([init, os.pidfd_open(p.pid)], [], [])
+p.kill()
+p.wait()
+"""
+
+
+def pasta() -> str:
+    found = shutil.which("pasta")
+    if found is None:
+        raise ProvisionError(INSTALL_HINT)
+    return found
+
+
+def host_addresses() -> list[str]:
+    """The host's own IPv4 addresses (every interface), to be refused inside the guest."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            addr = fields[fields.index("inet") + 1].split("/")[0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                found.append(addr)
+    return found
+
+
+def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4Network], dict[str, list[str]]]:
+    """``allow_hosts`` as IPv4 networks, and the names among them with their addresses.
+
+    Names resolve here, once, on the host, when the guest is made; the guest gets them in its
+    /etc/hosts and may reach those addresses only. A name whose address changes mid-test keeps
+    the address it had at creation. A name or address that is not IPv4 is refused in one line.
+    """
+    nets: list[ipaddress.IPv4Network] = []
+    names: dict[str, list[str]] = {}
+    for entry in allow_hosts:
+        try:
+            net = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            try:
+                found = socket.getaddrinfo(entry, None, socket.AF_INET, socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ProvisionError(f"allow_hosts: {entry!r} does not resolve on the host: {exc}") from None
+            addrs = sorted({str(info[4][0]) for info in found})
+            names[entry] = addrs
+            nets.extend(ipaddress.IPv4Network(f"{a}/32") for a in addrs)
+            continue
+        if not isinstance(net, ipaddress.IPv4Network):
+            raise ProvisionError(f"allow_hosts: {entry!r}: the namespace backend's NAT is IPv4 only")
+        nets.append(net)
+    return nets, names
+
+
+def start_nat(init_pid: int, scratch: Path,
+              allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
+    """Attach pasta to the guest's network namespace and fence off the host; the watcher process."""
+    binary = pasta()
+    pidfile = scratch / "pasta.pid"
+    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    # Not root (user-namespace mode): the guest's netns belongs to its user namespace, which
+    # this user owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
+    userns = -1 if os.geteuid() == 0 else os.open(f"/proc/{init_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    fds = (netns,) if userns < 0 else (netns, userns)
+    try:
+        # Fence first: the guest runs nothing before create returns, and the routes do not
+        # depend on the interface pasta makes.
+        prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
+        _ip_in(netns, userns, "".join(f"route add prohibit {p}\n" for p in prefixes))
+        # As root pasta would switch to nobody and could no longer join the namespace;
+        # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
+        who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+        argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
+                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
+                "--netns", f"/proc/self/fd/{netns}"]
+        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not pidfile.exists():
+        if watcher.poll() is not None or time.monotonic() > deadline:
+            err = watcher.stderr.read().decode(errors="replace") if watcher.stderr else ""
+            stop_nat(watcher)
+            pidfile.unlink(missing_ok=True)
+            raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
+        time.sleep(0.005)
+    pidfile.unlink()  # the scratch dir must be empty for the guest's removal
+    if allowed is not None:
+        try:
+            _allow_only(init_pid, allowed)
+        except BaseException:
+            stop_nat(watcher)
+            raise
+    return watcher
+
+
+def _allow_only(init_pid: int, allowed: list[ipaddress.IPv4Network]) -> None:
+    """Refuse every address but ``allowed``: two /1 prohibit routes beat pasta's default route,
+    a route per allowed network (more specific) goes through pasta's gateway. The host's own
+    addresses and 169.254.0.0/16 stay refused: a /32 prohibit beats any allowed network, and an
+    allowed /32 equal to one of them is left out."""
+    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        probe = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", "-4", "route", "show", "default"],
+                               pass_fds=(netns,), capture_output=True, text=True, check=False).stdout.split()
+        if "via" not in probe or "dev" not in probe:
+            raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
+        gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
+        fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
+            ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
+        batch = "route add prohibit 0.0.0.0/1\nroute add prohibit 128.0.0.0/1\n"
+        for net in sorted(set(allowed) - fenced):
+            batch += f"route add {net} via {gateway} dev {dev} onlink\n"
+        _ip_in(netns, -1, batch)
+    finally:
+        os.close(netns)
+
+
+def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
+    """Stop pasta and its watcher now (they share a process group of their own) and reap the watcher."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(watcher.pid, signal.SIGKILL)
+    watcher.wait()
+    if watcher.stderr:
+        watcher.stderr.close()
+
+
+def _ip_in(netns: int, userns: int, batch: str) -> None:
+    """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
+    enter = [f"--net=/proc/self/fd/{netns}"]
+    if userns >= 0:
+        enter = [f"--user=/proc/self/fd/{userns}", "--preserve-credentials", *enter]
+    done = subprocess.run(["nsenter", *enter, "ip", "-batch", "-"], input=batch,
+                          pass_fds=(netns,) if userns < 0 else (netns, userns),
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise ProvisionError(f"ip in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")

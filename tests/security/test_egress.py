@@ -1,0 +1,227 @@
+"""network=True on the namespace backend: NAT to a stand-in internet, never the host's network.
+
+The stand-in internet is a network namespace this module makes (a veth pair to the host,
+10.231.0.0/24 of our own choosing) with a TCP server in it: nothing leaves the machine.
+Root only: making the stand-in needs CAP_NET_ADMIN on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is None or shutil.which("ip") is None,
+                                reason="needs root (to make the stand-in internet), pasta and ip")
+
+INTERNET_HOST = "10.231.0.2"
+HOST_SIDE = "10.231.0.1"
+OTHER_HOST = "10.231.0.3"  # the stand-in internet's second host: not on any allowlist
+
+
+@pytest.fixture
+def stand_in_internet() -> Iterator[str]:
+    """A namespace at 10.231.0.2 serving TCP port 8080, routed from the host over a veth pair."""
+    tag = uuid.uuid4().hex[:6]
+    ns, veth = f"smolvm-egress-{tag}", f"se{tag}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    server = None
+    try:
+        for cmd in (["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                    ["ip", "addr", "add", f"{HOST_SIDE}/24", "dev", veth], ["ip", "link", "set", veth, "up"],
+                    ["ip", "-n", ns, "addr", "add", f"{INTERNET_HOST}/24", "dev", "eth0"],
+                    ["ip", "-n", ns, "addr", "add", f"{OTHER_HOST}/24", "dev", "eth0"],
+                    ["ip", "-n", ns, "link", "set", "eth0", "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True)
+        server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-m", "http.server", "8080",
+                                   "--bind", "0.0.0.0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        yield INTERNET_HOST
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", veth], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def _pasta_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "pasta -f -q -4" in line and "ps -eo" not in line]
+
+
+def test_network_true_reaches_the_internet_and_nothing_of_the_hosts(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import socket, threading
+        import pytest
+
+        @pytest.fixture
+        def host_server():
+            # Every address of the host: its loopback and its other interfaces (the veth end too).
+            server = socket.socket()
+            server.bind(("0.0.0.0", 0))
+            server.listen(16)
+            threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(16)],
+                             daemon=True).start()
+            yield server.getsockname()[1]
+            server.close()
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm, host_server):
+            # 'sleep 1': pasta's tap is up when create returns, its first ARP/route may lag.
+            r = smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+            assert "reached" in r.stdout, r.stderr
+            for addr in ("127.0.0.1", "{HOST_SIDE}"):
+                r = smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}")
+                assert r.exit_code != 0, f"the guest reached the host's listener on {{addr}}"
+            assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0, "metadata endpoint reached"
+
+        def test_default_is_off(smol_vm):
+            r = smol_vm.exec("wget -q -T 3 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+            assert "reached" not in r.stdout
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+    assert _pasta_processes() == []
+
+
+def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import os, signal
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_killed(smol_vm):
+            smol_vm.exec("true")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    pytester.runpytest_subprocess()
+    import time
+    deadline = time.monotonic() + 10
+    while _pasta_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pasta_processes() == []
+
+
+def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
+    """A normal user's guest (a user namespace) asking for the network is refused, not given the host's."""
+    from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
+
+    if shutil.which("setpriv") is None or _nobody_cannot_import():
+        pytest.skip("user nobody cannot run this interpreter's pytest")
+    home = Path(tempfile.mkdtemp(prefix="smolvm-egress-nobody-"))
+    try:
+        home.chmod(0o755)
+        (home / "test_user.py").write_text("""
+import pytest
+
+@pytest.mark.smol(network=True)
+def test_nat(smol_vm):
+    pass
+""")
+        for sub in ("state", "cache", "tmp"):
+            (home / sub).mkdir()
+        for path in [home, *home.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+        env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
+               "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
+               "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
+        result = subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+             "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
+            cwd=home, env=env, capture_output=True, text=True, timeout=300)
+        # Not NAT yet in this mode, and never the host's network (what it was before): refused, one line.
+        assert "1 error" in result.stdout, result.stdout + result.stderr
+        assert "network=True on the namespace backend needs root for now" in result.stdout
+        assert _pasta_processes() == []
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pytester, smol_state: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bare = pytester.mkdir("bin-without-pasta")
+    for tool in ("ip", "nsenter", "sh", "mount", "umount", "setpriv", "unshare"):
+        found = shutil.which(tool)
+        if found:
+            (bare / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bare))
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm):
+            pass
+
+        def test_off_still_works(smol_vm):
+            assert smol_vm.exec("true").exit_code == 0
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta: apt-get install -y passt*"])
+
+
+def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import pytest
+
+        URL = "http://{stand_in_internet}:8080/"
+
+        @pytest.mark.parametrize("i", range(3))
+        @pytest.mark.smol(network=True)
+        def test_on(smol_vm, i):
+            assert "ok" in smol_vm.exec(f"wget -q -T 5 -O /dev/null {{URL}} && echo ok").stdout
+
+        @pytest.mark.parametrize("i", range(3))
+        def test_off(smol_vm, i):
+            assert "ok" not in smol_vm.exec(f"wget -q -T 2 -O /dev/null {{URL}} && echo ok").stdout
+
+        @pytest.mark.smol(network=True)
+        def test_fails(smol_vm):
+            assert False, "a failing test with the network on"
+    """)
+    pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=6, failed=1)
+    assert _pasta_processes() == []
+
+
+def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    pytester.makepyfile(f"""
+        import pytest
+
+        def get(vm, host):
+            return "ok" in vm.exec(f"wget -q -T 3 -O /dev/null http://{{host}}:8080/ && echo ok").stdout
+
+        @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
+        def test_by_ip(smol_vm):
+            assert get(smol_vm, "{INTERNET_HOST}")
+            assert not get(smol_vm, "{OTHER_HOST}"), "an address not on the allowlist was reached"
+            assert not get(smol_vm, "{HOST_SIDE}"), "the host was reached"
+            assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
+            assert smol_vm.exec("ip route del prohibit 0.0.0.0/1").exit_code != 0  # no CAP_NET_ADMIN
+
+        @pytest.mark.smol(allow_hosts=["10.231.0.0/24"])
+        def test_by_cidr(smol_vm):
+            assert get(smol_vm, "{INTERNET_HOST}") and get(smol_vm, "{OTHER_HOST}")
+            assert not get(smol_vm, "{HOST_SIDE}"), "an allowed CIDR reopened the host's own address"
+
+        @pytest.mark.smol(allow_hosts=["localhost"])
+        def test_by_name_lands_in_etc_hosts(smol_vm):
+            assert "localhost" in smol_vm.exec("tail -n 1 /etc/hosts").stdout
+            assert not get(smol_vm, "{INTERNET_HOST}")
+
+        @pytest.mark.smol(allow_hosts=["no-such-name.invalid"])
+        def test_unresolvable(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*allow_hosts: 'no-such-name.invalid' does not resolve on the host*"])
+    assert _pasta_processes() == []
