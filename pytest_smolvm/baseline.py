@@ -415,14 +415,16 @@ def _blob(digest: str) -> str:
 
 
 def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str = "--smol-baseline",
-                caps: hostfs.Caps | None = None) -> None:
+                caps: hostfs.Caps | None = None, guest_export: bool = False) -> None:
     """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``.
 
     The layer may come from a guest (a warm baseline's export): it is unpacked by
     :mod:`pytest_smolvm.hostfs`'s rules, which trust nothing in it. Devices and FIFOs are
-    skipped (a guest gets its own /dev). Errors are UsageErrors naming ``what``.
+    skipped (a guest gets its own /dev). A ``guest_export`` (a warm root) is normalised too: no
+    setuid/setgid bits, no world-writable dir without the sticky bit. Errors are UsageErrors
+    naming ``what``.
     """
-    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner)
+    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner, guest_export=guest_export)
     try:
         hostfs.extract(stream, dest, policy, caps or LAYER_CAPS)
     except hostfs.UnsafeArchive as exc:

@@ -48,6 +48,8 @@ HEADER_ALLOWANCE = 1536  # stream bytes per member beyond its data: header, long
 MAX_NAME = 4096
 MAX_LINK_HOPS = 40
 CHUNK = 1 << 20
+HOLE_MIN = 1 << 16  # zero runs at least this long (one read's worth) are left as holes
+ZEROS = bytes(CHUNK)
 DIR_CACHE = 64  # parent dir fds kept open at once
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -123,6 +125,8 @@ class Policy:
     prefix: str = ""
     layer: bool = False  # an image layer: whiteouts, owners, full modes, in-tree links followed
     squash_owner: bool = False
+    # A layer a guest wrote (a warm export): normalised like a copy, bar owners and links (see _mode).
+    guest_export: bool = False
 
 
 class Extractor:
@@ -144,6 +148,7 @@ class Extractor:
         self._stale: list[int] = []
         self._last_head: str | None = None  # the last checked name's dir part, and its parts
         self._last_parts: list[str] = []
+        self.symlinks: list[tuple[list[str], str]] = []  # copy_out's links, judged on the final tree
 
     def close(self) -> None:
         for fd in [*self._dirs.values(), *self._stale]:
@@ -322,10 +327,21 @@ class Extractor:
         self._dirs.clear()
 
     def _mode(self, member: Member) -> int:
-        if self.policy.layer:
-            return member.mode & 0o7777
-        # Out of a guest: no setuid/setgid/sticky, no group/other write (tarfile's "data" rule).
-        return member.mode & (0o777 if member.kind == DIRECTORY else 0o755)
+        mode = member.mode
+        if self.policy.layer and not self.policy.guest_export:
+            return mode & 0o7777  # an image's own modes (its setuid su included)
+        directory = member.kind == DIRECTORY
+        if self.policy.guest_export:
+            # A warm root keeps its sticky /tmp and its owners' rights, but nothing a host user
+            # could run as root (setuid/setgid) or write into (a world-writable non-sticky dir).
+            mode &= 0o1777
+            if directory and mode & 0o002 and not mode & 0o1000:
+                mode &= ~0o022
+        else:
+            # Out of a guest: no setuid/setgid/sticky, no group/other write (tarfile's "data" rule).
+            mode &= 0o755
+        # The host must always be able to walk and remove what it unpacked (a 0000 dir would not).
+        return mode | 0o700 if directory else mode
 
     def _owner(self, member: Member) -> tuple[int, int] | None:
         if not self.policy.layer or not self.as_root:
@@ -361,8 +377,10 @@ class Extractor:
         self.directories.append((name, self._mode(member), member.mtime))
 
     def _make_symlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
-        if not self.policy.layer and not _link_stays_inside(name, member.linkname, self.policy.prefix):
-            raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
+        if not self.policy.layer:
+            if not _link_stays_inside(name, member.linkname, self.policy.prefix):
+                raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
+            self.symlinks.append((name.split("/"), member.name))
         try:
             os.symlink(member.linkname, base, dir_fd=parent_fd)
         except FileExistsError:
@@ -405,18 +423,25 @@ class Extractor:
             self._clear_entry(parent_fd, base, keep_dir=False)
             fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
         try:
-            # Counted at the size the member declares, before a byte lands (a sparse file at its
-            # full size): the data copied is exactly that many bytes.
-            size = member.size if member.sparse is None else member.realsize
+            # Counted at the size of its data, before a byte lands: a sparse file by its stored
+            # segments (its holes stay holes here, as do long zero runs of any file).
+            size = member.size
             if self.written + size > self.caps.max_bytes:
                 raise UnsafeArchive(f"{self.policy.what}: more than {self.caps.max_bytes} bytes "
                                     f"(the cap) at {member.name!r}; refused")
             self.written += size
             if member.sparse is None:
                 whole = tar.small()
+                holes = False
                 for view in (whole,) if whole is not None else tar.data():
+                    if len(view) >= HOLE_MIN and ZEROS.startswith(view):
+                        os.lseek(fd, len(view), os.SEEK_CUR)  # a guest's zeros cost the host no blocks
+                        holes = True
+                        continue
                     while view:
                         view = view[os.write(fd, view):]
+                if holes:
+                    os.ftruncate(fd, member.size)
             else:
                 self._write_sparse(tar, fd, member)
             owner = self._owner(member) if self.policy.layer else None
@@ -467,7 +492,11 @@ class Extractor:
                 self._clear_entry(dir_fd, entry, keep_dir=False)
 
     def finish(self) -> None:
-        """Directory modes and times last (deepest first): a 0555 dir must not block its own members."""
+        """Links judged, then directory modes and times last (deepest first): a 0555 dir must not
+        block its own members."""
+        for parts, raw in self.symlinks:
+            if not self._resolves_inside(parts):
+                raise self._refuse(raw, "its link resolves outside the copied tree (through other links)")
         for name, mode, mtime in reversed(self.directories):
             try:
                 fd = self._open_dir(name.split("/"), name, create=False)
@@ -478,6 +507,65 @@ class Extractor:
                 os.utime(fd, (mtime, mtime))
             finally:
                 os.close(fd)
+
+
+    def _resolves_inside(self, parts: list[str]) -> bool:
+        """Whether the link at ``parts`` stays in the copied tree, resolved as the kernel would.
+
+        Spelling is not enough: with ``d/up -> ..``, ``d/up/d/up/../..`` climbs two levels for
+        one ``d/up`` it names. So every component is looked up in the finished tree (links the
+        stream made before or after this one included) and each link met is expanded in turn.
+        A component that does not exist is taken lexically, which can only climb less than the
+        kernel would let it (the kernel stops there).
+        """
+        top = 1 if self.policy.prefix else 0
+        stack = parts[:-1]
+        if len(stack) < top:
+            return False
+        fd = self._dirs_fd(stack)
+        if fd < 0:
+            return False
+        try:
+            queue = os.readlink(parts[-1], dir_fd=fd).split("/")
+        except OSError:
+            return True  # replaced by a later member that is no link
+        finally:
+            os.close(fd)
+        hops = 0
+        while queue:
+            comp = queue.pop(0)
+            if comp in ("", "."):
+                continue
+            if comp == "..":
+                if len(stack) <= top:
+                    return False
+                stack.pop()
+                continue
+            fd = self._dirs_fd(stack)
+            st = None
+            if fd >= 0:
+                try:
+                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISLNK(st.st_mode):
+                        target = os.readlink(comp, dir_fd=fd)
+                        hops += 1
+                        if hops > MAX_LINK_HOPS or target.startswith("/"):
+                            return False
+                        queue = [*target.split("/"), *queue]
+                        continue
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(fd)
+            stack.append(comp)
+        return True
+
+    def _dirs_fd(self, stack: list[str]) -> int:
+        """An fd of the real directory ``stack`` names, no link followed; -1 if there is none."""
+        try:
+            return self._open_dir(stack, "/".join(stack), create=False, follow=False)
+        except (UnsafeArchive, OSError):
+            return -1
 
 
 def _rmtree_at(parent_fd: int, base: str) -> None:
