@@ -13,18 +13,35 @@ def cache_dir() -> Path:
     """Unpacked baselines and digests: reusable, safe to delete when nothing runs."""
     explicit = os.environ.get("PYTEST_SMOLVM_CACHE_DIR")
     if explicit:
-        return Path(explicit)
+        return _private(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pytest-smolvm"
+    return _private(os.path.join(base, "pytest-smolvm"))
 
 
 def state_dir() -> Path:
     """The host-wide registry of live guests and their scratch dirs."""
     explicit = os.environ.get("PYTEST_SMOLVM_STATE_DIR")
     if explicit:
-        return Path(explicit)
+        return _private(explicit)
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "pytest-smolvm"
+    return _private(os.path.join(base, "pytest-smolvm"))
+
+
+def _private(path: str) -> Path:
+    """``path``, made 0700 if this user owns it (created so if missing).
+
+    Baselines unpacked from guests and images live under it: even normalised, a tree a guest
+    wrote is no business of the host's other users, and a 0700 top keeps them out of every
+    subdirectory whatever mode it was made with.
+    """
+    try:
+        os.makedirs(path, 0o700, exist_ok=True)
+        st = os.stat(path)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    except OSError:
+        pass  # read-only or foreign: whoever uses it reports the error, naming the path
+    return Path(path)
 
 
 def runtime_dir() -> Path:
