@@ -28,7 +28,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pytest_smolvm import hostfs
+from pytest_smolvm import confined, hostfs
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.paths import cache_dir
 
@@ -426,7 +426,7 @@ def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str 
     """
     policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner, guest_export=guest_export)
     try:
-        hostfs.extract(stream, dest, policy, caps or LAYER_CAPS)
+        confined.extract(stream, dest, policy, caps or LAYER_CAPS)
     except hostfs.UnsafeArchive as exc:
         message = str(exc)
         raise UsageError(message if message.startswith(what) else f"{what}: {message}") from exc

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
-from pytest_smolvm import hostfs
+from pytest_smolvm import confined, hostfs
 from pytest_smolvm.errors import ExecError, GuestError
 from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT
 
@@ -254,7 +254,7 @@ class VM:
         staging = Path(tempfile.mkdtemp(prefix=".smolvm-copy-", dir=target.parent))
         try:
             def consume(stream: IO[bytes]) -> None:
-                hostfs.extract(stream, staging, hostfs.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
+                confined.extract(stream, staging, hostfs.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
 
             self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
             payload = staging / PAYLOAD

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import hostfs
+from pytest_smolvm import confined, hostfs
 from pytest_smolvm.baseline import apply_layer
 from pytest_smolvm.errors import UsageError
 
@@ -50,6 +50,18 @@ class Canary:
 
     def assert_untouched(self) -> None:
         assert self.snapshot() == self.before, "a file outside the destination changed"
+
+
+@pytest.fixture(autouse=True, params=["in-process", "confined"])
+def wall(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each wall on its own: the fd walker in this process, and the same walker in the confined
+    helper (its own mount namespace and root, no capabilities, seccomp); apply_layer uses the
+    confined one, so it is switched too."""
+    if request.param == "in-process":
+        monkeypatch.setattr(confined, "extract", hostfs.extract)
+    else:
+        monkeypatch.setattr(hostfs, "extract", confined.extract)
+    return str(request.param)
 
 
 @pytest.fixture
