@@ -244,3 +244,51 @@ def test_async_copy_out_takes_the_same_limits() -> None:
     aio = inspect.signature(AsyncVM.copy_out).parameters
     assert list(aio) == list(sync)
     assert all(aio[name].kind == sync[name].kind for name in ("max_bytes", "timeout"))
+
+
+# ------------------------------------------------------------------ the confined helper on its own
+
+_ESCAPE = """
+import os, socket, sys
+sys.path[:0] = sys.argv[1].split(":")
+from pytest_smolvm import confined, hostfs
+try:
+    import pyseccomp
+except ImportError:
+    pyseccomp = None
+fd = os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY)
+confined._confine(fd, hostfs.Policy("test", prefix="payload"), hostfs.Caps(), pyseccomp)
+found = []
+for attempt, action in [
+    ("read-host-file", lambda: open(sys.argv[3]).read()),
+    ("climb-out", lambda: None if os.listdir("/../../..") == ["inside"] else os.listdir("/../../..")),
+    ("exec", lambda: os.execv("/bin/sh", ["sh"])),
+    ("socket", lambda: socket.socket()),
+    ("fork", lambda: os.fork()),
+    ("chroot", lambda: os.chroot("/")),
+]:
+    try:
+        result = action()
+        if result is not None:
+            found.append(f"{attempt}: allowed {str(result)[:40]!r}")
+    except OSError:
+        pass
+print("|".join(found) or "contained")
+"""
+
+
+def test_the_helper_reaches_nothing_but_its_destination(tmp_path: Path, canary: Path) -> None:
+    """The first wall alone, as if the walker had let a link through: confined, the helper can
+    read no host file, see no dir above its root, exec, fork, open sockets or chroot."""
+    import subprocess
+    import sys
+
+    from pytest_smolvm import confined
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "inside").write_text("in")
+    result = subprocess.run([sys.executable, "-I", "-S", "-c", _ESCAPE, confined._import_paths(), str(dest),
+                             str(canary / "passwd")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "contained"
