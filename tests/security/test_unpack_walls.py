@@ -292,3 +292,23 @@ def test_the_helper_reaches_nothing_but_its_destination(tmp_path: Path, canary: 
                              str(canary / "passwd")], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "contained"
+
+
+def test_collected_paths_nested_under_one_another_replace_not_nest(vm: VM, tmp_path: Path) -> None:
+    """A child path collected after its parent (and the reverse) lands at its own name, never
+    inside the earlier copy's tree; a link the guest put there is replaced, not followed."""
+    import types
+
+    from pytest_smolvm.artifacts import _copy_out
+
+    vm.exec("mkdir -p /a/b && echo f > /a/b/f && ln -s b /a/link", check=True)
+    live = types.SimpleNamespace(vm=vm)
+    for order in (["/a", "/a/b", "/a/link"], ["/a/b", "/a"]):
+        files = tmp_path / f"files-{len(order)}"
+        notes: list[str] = []
+        for path in order:
+            _copy_out(live, path, files, 1 << 30, notes)  # type: ignore[arg-type]
+        assert (files / "a" / "b" / "f").read_text() == "f\n"
+        assert not (files / "a" / "b" / "b").exists()
+        assert not (files / "a").is_symlink() and not (files / "a" / "b").is_symlink()
+        assert [p.name for p in files.iterdir()] == ["a"]  # no staging copy left
