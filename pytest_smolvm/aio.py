@@ -69,8 +69,9 @@ class AsyncVM:
     async def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
         await _Loop().run(lambda: self.sync.copy_in(src, dest))
 
-    async def copy_out(self, src: str, dest: str | os.PathLike[str]) -> Path:
-        return await _Loop().run(lambda: self.sync.copy_out(src, dest))
+    async def copy_out(self, src: str, dest: str | os.PathLike[str], *, max_bytes: int | None = None,
+                       timeout: float | None = None) -> Path:
+        return await _Loop().run(lambda: self.sync.copy_out(src, dest, max_bytes=max_bytes, timeout=timeout))
 
 
 async def in_thread(fn: Callable[[], T]) -> T:

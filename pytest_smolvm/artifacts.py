@@ -278,7 +278,21 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
         notes.append(f"{live.vm.name}:{path}: not copied: the {FILES_BUDGET}-byte budget per test is spent")
         return budget
     try:
-        live.vm.copy_out("/" + relative, dest)
+        # copy_out puts a copy inside an existing directory; a collected path names its copy.
+        # Whatever is there came from an earlier path of this test (a parent or a child of this
+        # one): once this copy has arrived beside it, a link there is removed (never followed)
+        # and a tree replaced; a copy that fails leaves the earlier one as it was.
+        if dest.is_symlink() or dest.exists():
+            fresh = dest.with_name(f".{dest.name}.smolvm-collect")
+            _remove(fresh)
+            try:
+                live.vm.copy_out("/" + relative, fresh)
+                _remove(dest)
+                os.replace(fresh, dest)
+            finally:
+                _remove(fresh)
+        else:
+            live.vm.copy_out("/" + relative, dest)
     except Exception as exc:
         notes.append(f"{live.vm.name}:{path}: not copied: {type(exc).__name__}: {exc}")
         return budget
@@ -290,6 +304,13 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
                      f"{FILES_BUDGET}-byte budget per test")
         return 0
     return budget - size
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def _tree_size(path: Path) -> int:

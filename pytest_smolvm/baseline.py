@@ -28,7 +28,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from pytest_smolvm import hostfs
+from pytest_smolvm import confined, hostfs
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.paths import cache_dir
 
@@ -415,17 +415,18 @@ def _blob(digest: str) -> str:
 
 
 def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str = "--smol-baseline",
-                caps: hostfs.Caps | None = None, guest_made: bool = False) -> None:
+                caps: hostfs.Caps | None = None, guest_export: bool = False) -> None:
     """Extract one layer over ``dest`` with OCI whiteouts; never writes outside ``dest``.
 
     The layer may come from a guest (a warm baseline's export): it is unpacked by
     :mod:`pytest_smolvm.hostfs`'s rules, which trust nothing in it. Devices and FIFOs are
-    skipped (a guest gets its own /dev). ``guest_made``: a guest wrote it, so its modes are
-    normalised (no setuid/setgid, see hostfs). Errors are UsageErrors naming ``what``.
+    skipped (a guest gets its own /dev). A ``guest_export`` (a warm root) is normalised too: no
+    setuid/setgid bits, no world-writable dir without the sticky bit. Errors are UsageErrors
+    naming ``what``.
     """
-    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner, guest_made=guest_made)
+    policy = hostfs.Policy(what, layer=True, squash_owner=squash_owner, guest_export=guest_export)
     try:
-        hostfs.extract(stream, dest, policy, caps or LAYER_CAPS)
+        confined.extract(stream, dest, policy, caps or LAYER_CAPS)
     except hostfs.UnsafeArchive as exc:
         message = str(exc)
         raise UsageError(message if message.startswith(what) else f"{what}: {message}") from exc

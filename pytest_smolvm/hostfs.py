@@ -13,13 +13,8 @@ CVE-2025-4330, CVE-2025-4138, CVE-2024-12718). The rules, checked by this module
   (or skipped where a layer's own rules say so). Files are created ``O_EXCL | O_NOFOLLOW``;
   modes, owners and times are set through the new file's own fd, never through a path.
 - A hard link may only name a regular file already in the tree, reached without a symlink.
-- A symlink out of a guest is judged by where it resolves, not by its spelling: once the tree
-  is complete, every link's target is walked component by component through the tree (links
-  in it followed, by this module, with a hop limit), and a link that ends outside is refused.
-- What a guest made is normalised: no setuid or setgid bit, no world-writable directory
-  without its sticky bit, and in a copy every directory stays the host user's to clean.
-- Bytes and members are capped while reading, and every read has a deadline. Runs of zeros
-  and sparse members become holes on the host: they cost no disk, and count by their data.
+- Bytes (read from the stream and written to disk: a sparse member counts at its full size)
+  and members are capped while reading, and every read has a deadline.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ import os
 import select
 import stat
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
 
@@ -54,7 +48,7 @@ HEADER_ALLOWANCE = 1536  # stream bytes per member beyond its data: header, long
 MAX_NAME = 4096
 MAX_LINK_HOPS = 40
 CHUNK = 1 << 20
-HOLE_MIN = 1 << 12  # zero runs at least a filesystem block long are skipped, not written
+HOLE_MIN = 1 << 16  # zero runs at least this long (one read's worth) are left as holes
 ZEROS = bytes(CHUNK)
 DIR_CACHE = 64  # parent dir fds kept open at once
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -131,7 +125,8 @@ class Policy:
     prefix: str = ""
     layer: bool = False  # an image layer: whiteouts, owners, full modes, in-tree links followed
     squash_owner: bool = False
-    guest_made: bool = False  # a layer a guest wrote (a warm export): its modes are normalised
+    # A layer a guest wrote (a warm export): normalised like a copy, bar owners and links (see _mode).
+    guest_export: bool = False
 
 
 class Extractor:
@@ -146,7 +141,6 @@ class Extractor:
         self.regular: set[str] = set()  # regular files this stream made, for hard links
         self.this_layer: set[str] = set()
         self.directories: list[tuple[str, int, float]] = []
-        self.symlinks: list[list[str]] = []  # a copy's links, judged once the tree is complete
         self.as_root = hasattr(os, "geteuid") and os.geteuid() == 0
         self.owners_used = policy.layer and self.as_root and not policy.squash_owner
         self.umask = _umask()
@@ -154,6 +148,7 @@ class Extractor:
         self._stale: list[int] = []
         self._last_head: str | None = None  # the last checked name's dir part, and its parts
         self._last_parts: list[str] = []
+        self.symlinks: list[tuple[list[str], str]] = []  # copy_out's links, judged on the final tree
 
     def close(self) -> None:
         for fd in [*self._dirs.values(), *self._stale]:
@@ -332,18 +327,21 @@ class Extractor:
         self._dirs.clear()
 
     def _mode(self, member: Member) -> int:
-        if self.policy.layer and not self.policy.guest_made:
-            return member.mode & 0o7777  # an image's own modes: the baseline is trusted
-        if self.policy.layer:
-            # A warm export: no setuid/setgid for any local user to run from the cache, and no
-            # directory others may write without the sticky bit; the owner can always clean up.
-            if member.kind != DIRECTORY:
-                return member.mode & 0o777
-            mode = member.mode & 0o1777
-            return (mode & ~0o022 if mode & 0o002 and not mode & 0o1000 else mode) | 0o700
-        # A copy: no setuid/setgid/sticky, no group/other write (tarfile's "data" rule), and
-        # directories the host user can always enter and empty (a 0000 one broke cleanup).
-        return (member.mode & 0o755) | 0o700 if member.kind == DIRECTORY else member.mode & 0o755
+        mode = member.mode
+        if self.policy.layer and not self.policy.guest_export:
+            return mode & 0o7777  # an image's own modes (its setuid su included)
+        directory = member.kind == DIRECTORY
+        if self.policy.guest_export:
+            # A warm root keeps its sticky /tmp and its owners' rights, but nothing a host user
+            # could run as root (setuid/setgid) or write into (a world-writable non-sticky dir).
+            mode &= 0o1777
+            if directory and mode & 0o002 and not mode & 0o1000:
+                mode &= ~0o022
+        else:
+            # Out of a guest: no setuid/setgid/sticky, no group/other write (tarfile's "data" rule).
+            mode &= 0o755
+        # The host must always be able to walk and remove what it unpacked (a 0000 dir would not).
+        return mode | 0o700 if directory else mode
 
     def _owner(self, member: Member) -> tuple[int, int] | None:
         if not self.policy.layer or not self.as_root:
@@ -380,9 +378,9 @@ class Extractor:
 
     def _make_symlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
         if not self.policy.layer:
-            if not member.linkname or member.linkname.startswith("/") or "\0" in member.linkname:
+            if not _link_stays_inside(name, member.linkname, self.policy.prefix):
                 raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
-            self.symlinks.append(name.split("/"))  # where it resolves is judged in finish()
+            self.symlinks.append((name.split("/"), member.name))
         try:
             os.symlink(member.linkname, base, dir_fd=parent_fd)
         except FileExistsError:
@@ -425,17 +423,25 @@ class Extractor:
             self._clear_entry(parent_fd, base, keep_dir=False)
             fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=parent_fd)
         try:
-            # Counted at the size the member declares, before a byte lands (a sparse file at its
-            # full size): the data copied is exactly that many bytes.
-            # A sparse member by its data: its holes cost the host nothing.
-            if self.written + member.size > self.caps.max_bytes:
+            # Counted at the size of its data, before a byte lands: a sparse file by its stored
+            # segments (its holes stay holes here, as do long zero runs of any file).
+            size = member.size
+            if self.written + size > self.caps.max_bytes:
                 raise UnsafeArchive(f"{self.policy.what}: more than {self.caps.max_bytes} bytes "
                                     f"(the cap) at {member.name!r}; refused")
-            self.written += member.size
+            self.written += size
             if member.sparse is None:
                 whole = tar.small()
-                if _write_with_holes(fd, (whole,) if whole is not None else tar.data()):
-                    os.ftruncate(fd, member.size)  # a run of zeros at the end is a hole too
+                holes = False
+                for view in (whole,) if whole is not None else tar.data():
+                    if len(view) >= HOLE_MIN and ZEROS.startswith(view):
+                        os.lseek(fd, len(view), os.SEEK_CUR)  # a guest's zeros cost the host no blocks
+                        holes = True
+                        continue
+                    while view:
+                        view = view[os.write(fd, view):]
+                if holes:
+                    os.ftruncate(fd, member.size)
             else:
                 self._write_sparse(tar, fd, member)
             owner = self._owner(member) if self.policy.layer else None
@@ -486,10 +492,11 @@ class Extractor:
                 self._clear_entry(dir_fd, entry, keep_dir=False)
 
     def finish(self) -> None:
-        """Links judged, then directory modes and times (deepest first: a 0555 dir must not block
-        its own members)."""
-        for parts in self.symlinks:
-            self._judge_link(parts)
+        """Links judged, then directory modes and times last (deepest first): a 0555 dir must not
+        block its own members."""
+        for parts, raw in self.symlinks:
+            if not self._resolves_inside(parts):
+                raise self._refuse(raw, "its link resolves outside the copied tree (through other links)")
         for name, mode, mtime in reversed(self.directories):
             try:
                 fd = self._open_dir(name.split("/"), name, create=False)
@@ -502,84 +509,63 @@ class Extractor:
                 os.close(fd)
 
 
-    def _judge_link(self, parts: list[str]) -> None:
-        """Refuse the copy if the link ``parts`` names resolves outside the copied tree.
+    def _resolves_inside(self, parts: list[str]) -> bool:
+        """Whether the link at ``parts`` stays in the copied tree, resolved as the kernel would.
 
-        Resolved the way the kernel would, one component at a time against the finished tree:
-        ``d/up -> ..`` then ``evil -> d/up/d/up/../../../etc/passwd`` stays inside by its
-        spelling and leaves by its resolution. A component that does not exist ends the walk's
-        look-ups; the rest is judged by spelling (nothing there can be a link).
+        Spelling is not enough: with ``d/up -> ..``, ``d/up/d/up/../..`` climbs two levels for
+        one ``d/up`` it names. So every component is looked up in the finished tree (links the
+        stream made before or after this one included) and each link met is expanded in turn.
+        A component that does not exist is taken lexically, which can only climb less than the
+        kernel would let it (the kernel stops there).
         """
-        floor = 1 if self.policy.prefix else 0  # the copied tree's own root: never above it
-        stack, queue = parts[:-1], [parts[-1]]
-        if len(stack) < floor:  # the copied path is itself a link: it can only point away
-            raise self._refuse("/".join(parts), "its link resolves outside the copied tree")
-        hops, missing = 0, False
+        top = 1 if self.policy.prefix else 0
+        stack = parts[:-1]
+        if len(stack) < top:
+            return False
+        fd = self._dirs_fd(stack)
+        if fd < 0:
+            return False
+        try:
+            queue = os.readlink(parts[-1], dir_fd=fd).split("/")
+        except OSError:
+            return True  # replaced by a later member that is no link
+        finally:
+            os.close(fd)
+        hops = 0
         while queue:
             comp = queue.pop(0)
             if comp in ("", "."):
                 continue
             if comp == "..":
-                if len(stack) <= floor:
-                    raise self._refuse("/".join(parts), "its link resolves outside the copied tree")
+                if len(stack) <= top:
+                    return False
                 stack.pop()
                 continue
-            if not missing:
-                target = self._link_at(stack, comp, parts)
-                if target is not None:
-                    hops += 1
-                    if hops > MAX_LINK_HOPS or target.startswith("/"):
-                        raise self._refuse("/".join(parts), "its link resolves outside the copied tree")
-                    queue = [p for p in target.split("/") if p] + queue
-                    continue
-                missing = not self._exists(stack, comp, parts)
+            fd = self._dirs_fd(stack)
+            st = None
+            if fd >= 0:
+                try:
+                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISLNK(st.st_mode):
+                        target = os.readlink(comp, dir_fd=fd)
+                        hops += 1
+                        if hops > MAX_LINK_HOPS or target.startswith("/"):
+                            return False
+                        queue = [*target.split("/"), *queue]
+                        continue
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(fd)
             stack.append(comp)
+        return True
 
-    def _link_at(self, stack: list[str], comp: str, parts: list[str]) -> str | None:
-        """The target of ``stack/comp`` if it is a symlink (``stack`` holds no link: it is resolved)."""
-        fd = self._dir_of(stack, parts)
-        if fd is None:
-            return None
+    def _dirs_fd(self, stack: list[str]) -> int:
+        """An fd of the real directory ``stack`` names, no link followed; -1 if there is none."""
         try:
-            st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
-            return os.readlink(comp, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(fd)
-
-    def _exists(self, stack: list[str], comp: str, parts: list[str]) -> bool:
-        fd = self._dir_of(stack, parts)
-        if fd is None:
-            return False
-        try:
-            os.stat(comp, dir_fd=fd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(fd)
-
-    def _dir_of(self, stack: list[str], parts: list[str]) -> int | None:
-        """An fd of the resolved directory ``stack``, or None where it is no directory (a file)."""
-        try:
-            return self._open_dir(stack, "/".join(parts), create=False, follow=False)
-        except (UnsafeArchive, FileNotFoundError):
-            return None
-
-
-def _write_with_holes(fd: int, views: Iterable[memoryview]) -> bool:
-    """Write ``views`` to ``fd``, seeking over runs of zeros; True if a hole was left."""
-    holes = False
-    for view in views:
-        n = len(view)
-        if n >= HOLE_MIN and view[0] == 0 and view[-1] == 0 and view.tobytes() == ZEROS[:n]:
-            os.lseek(fd, n, os.SEEK_CUR)  # a guest's free sparse gigabyte stays free on the host
-            holes = True
-            continue
-        while view:
-            view = view[os.write(fd, view):]
-    return holes
+            return self._open_dir(stack, "/".join(stack), create=False, follow=False)
+        except (UnsafeArchive, OSError):
+            return -1
 
 
 def _rmtree_at(parent_fd: int, base: str) -> None:
@@ -596,6 +582,23 @@ def _rmtree_at(parent_fd: int, base: str) -> None:
     finally:
         os.close(fd)
     os.rmdir(base, dir_fd=parent_fd)
+
+
+def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
+    """A symlink made by copy_out must point inside the copied tree itself, lexically."""
+    if not linkname or linkname.startswith("/"):
+        return False
+    depth = name.split("/")[:-1]
+    for part in linkname.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not depth:
+                return False
+            depth.pop()
+        else:
+            depth.append(part)
+    return not prefix or (bool(depth) and depth[0] == prefix)
 
 
 def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, caps: Caps | None = None) -> None:

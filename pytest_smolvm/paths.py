@@ -10,37 +10,37 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Unpacked baselines and digests: reusable, safe to delete when nothing runs. Private."""
+    """Unpacked baselines and digests: reusable, safe to delete when nothing runs."""
     explicit = os.environ.get("PYTEST_SMOLVM_CACHE_DIR")
     if explicit:
-        return private(explicit)
+        return _private(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return private(os.path.join(base, "pytest-smolvm"))
+    return _private(os.path.join(base, "pytest-smolvm"))
 
 
 def state_dir() -> Path:
-    """The host-wide registry of live guests and their scratch dirs. Private."""
+    """The host-wide registry of live guests and their scratch dirs."""
     explicit = os.environ.get("PYTEST_SMOLVM_STATE_DIR")
     if explicit:
-        return private(explicit)
+        return _private(explicit)
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return private(os.path.join(base, "pytest-smolvm"))
+    return _private(os.path.join(base, "pytest-smolvm"))
 
 
-@functools.lru_cache(maxsize=16)
-def private(path: str) -> Path:
-    """``path`` as a directory only its owner can enter: made 0700, or narrowed to it if ours.
+def _private(path: str) -> Path:
+    """``path``, made 0700 if this user owns it (created so if missing).
 
-    What lies below holds guests' trees (a warm baseline is a guest's export, its owners kept)
-    and their records: no other local user may reach any of it. Once per process and path.
+    Baselines unpacked from guests and images live under it: even normalised, a tree a guest
+    wrote is no business of the host's other users, and a 0700 top keeps them out of every
+    subdirectory whatever mode it was made with.
     """
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.makedirs(path, 0o700, exist_ok=True)
         st = os.stat(path)
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
             os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
     except OSError:
-        pass  # unusable: whoever writes there next says so with the path
+        pass  # read-only or foreign: whoever uses it reports the error, naming the path
     return Path(path)
 
 
@@ -63,9 +63,9 @@ def _runtime_dir(explicit_state: str | None, xdg_runtime: str | None, euid: int,
     if explicit_state:
         return state
     if xdg_runtime and os.path.isabs(xdg_runtime) and os.path.isdir(xdg_runtime):
-        return private(os.path.join(xdg_runtime, "pytest-smolvm"))
+        return Path(xdg_runtime) / "pytest-smolvm"
     if euid == 0 and _is_tmpfs("/run"):
-        return private("/run/pytest-smolvm")
+        return Path("/run/pytest-smolvm")
     if _is_tmpfs("/dev/shm"):
         own = _own_private_dir(f"/dev/shm/pytest-smolvm-{euid}", euid)
         if own is not None:

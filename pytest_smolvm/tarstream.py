@@ -24,11 +24,11 @@ from pytest_smolvm.errors import GuestError
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 MAX_META = 1 << 20  # bytes of one long name, pax header or sparse map: names are capped at 4 KiB anyway
-# ... and of all of one member's: pax records pile up from header to header until the member
-# comes (~500 headers of 1 MiB each once grew pytest by gigabytes).
-MAX_MEMBER_META = 2 << 20
-MAX_MEMBER_HEADERS = 8  # long name, long link, pax, sparse map: a member needs a few at most
 MAX_SPARSE = 1 << 16  # entries in one sparse map
+# Metadata headers before one member, and their bytes together: GNU tar writes at most a long
+# name, a long link and a pax header; without a total, 500 1 MiB pax headers with distinct keys
+# before one member were held at once (GBs of dicts).
+MAX_META_PER_MEMBER = 16
 READ_SIZE = 1 << 20
 RECORD_SIZE = 20 * BLOCK  # what tar writers pad an archive to
 REGULAR, HARDLINK, SYMLINK, CHARDEV, BLOCKDEV, DIRECTORY, FIFO = "0", "1", "2", "3", "4", "5", "6"
@@ -161,7 +161,7 @@ class TarReader:
         pending: dict[str, str] = {}
         sparse_pairs: list[str] = []
         long_name = long_link = None
-        meta_bytes = meta_headers = 0
+        meta_count = meta_bytes = 0
         while True:
             pos = self._pos
             if pos + BLOCK <= len(self._buf):  # the usual case, without two calls per header
@@ -185,10 +185,10 @@ class TarReader:
                 size = _number(block[124:136], "size")
                 if size > MAX_META:
                     raise TarFormatError(f"a {size}-byte metadata header (more than {MAX_META})")
+                meta_count += 1
                 meta_bytes += size
-                meta_headers += 1
-                if meta_bytes > MAX_MEMBER_META or meta_headers > MAX_MEMBER_HEADERS:
-                    raise TarFormatError(f"more than {MAX_MEMBER_HEADERS} metadata headers or {MAX_MEMBER_META} "
+                if meta_count > MAX_META_PER_MEMBER or meta_bytes > MAX_META:
+                    raise TarFormatError(f"more than {MAX_META_PER_MEMBER} metadata headers or {MAX_META} "
                                          "bytes of them before one member")
                 raw = self._take(size)
                 self._take(-size % BLOCK)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
-from pytest_smolvm import hostfs
+from pytest_smolvm import confined, hostfs
 from pytest_smolvm.errors import ExecError, GuestError
 from pytest_smolvm.inert import inert
 from pytest_smolvm.settings import DEFAULT_OUTPUT_LIMIT, guest_timeout
@@ -223,7 +223,11 @@ class VM:
 
     def copy_out(self, src: str, dest: str | os.PathLike[str], *, max_bytes: int | None = None,
                  timeout: float | None = None) -> Path:
-        """Copy a guest file or tree to ``dest`` on the host; returns ``dest``.
+        """Copy a guest file or tree to ``dest`` on the host; returns where the copy is.
+
+        ``dest`` names the copy, unless it is an existing directory: then the copy goes inside
+        it, under ``src``'s own name (``copy_out("/work/out", ".")`` makes ``./out``), and a
+        directory already there by that name is replaced, as a file is.
 
         The guest controls what arrives, so it is unpacked by :mod:`pytest_smolvm.hostfs`'s
         rules: nothing is written outside ``dest``, no guest-made link is followed, links that
@@ -236,13 +240,22 @@ class VM:
             max_bytes=defaults.max_bytes if max_bytes is None else int(_positive_limit(max_bytes, "copy_out")),
             timeout=defaults.timeout if timeout is None else _positive_limit(timeout, "copy_out", "timeout"))
         target = Path(dest)
-        target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink():
             raise GuestError(f"copy_out: destination {target} is a symlink; refusing to write through it")
+        if target.is_dir():
+            # Into an existing directory, as cp and docker cp do: replacing it instead would
+            # empty "." (staging dir included) or a whole project for a copy_out(src, ".").
+            name = posixpath.basename(src.rstrip("/"))
+            if not name or name in (".", ".."):
+                raise GuestError(f"copy_out: {src} has no name to give its copy inside the directory {target}")
+            target = target / name
+            if target.is_symlink():
+                raise GuestError(f"copy_out: destination {target} is a symlink; refusing to write through it")
+        target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".smolvm-copy-", dir=target.parent))
         try:
             def consume(stream: IO[bytes]) -> None:
-                hostfs.extract(stream, staging, hostfs.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
+                confined.extract(stream, staging, hostfs.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
 
             self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
             payload = staging / PAYLOAD

@@ -85,14 +85,15 @@ def test_provisioning_failure_is_a_setup_error_with_the_backends_message(
     pytester.makepyfile("""
         import pytest
 
-        @pytest.mark.smol(allow_hosts=["example.com"])
+        @pytest.mark.smol(allow_hosts=["no-such-host.invalid"])
         def test_needs_allowlist(smol_vm):
             pass
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([
-        "*could not provision a guest (infrastructure, not the test): allow_hosts needs the smol backend*"])
+        "*could not provision a guest (infrastructure, not the test): allow_hosts: 'no-such-host.invalid' "
+        "does not resolve on the host*"])
 
 
 def test_failed_test_reports_the_guest_transcript(pytester: pytest.Pytester, smol_state: Path) -> None:

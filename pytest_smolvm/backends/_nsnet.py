@@ -64,8 +64,8 @@ def host_addresses() -> list[str]:
         fields = line.split()
         if "inet" in fields:
             addr = fields[fields.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback:
-                found.append(addr)
+            if not ipaddress.ip_address(addr).is_loopback and addr not in found:
+                found.append(addr)  # once: two interfaces may share one, and a second route would fail
     return found
 
 
@@ -110,7 +110,7 @@ def start_nat(init_pid: int, scratch: Path,
         # Fence first: the guest runs nothing before create returns, and the routes do not
         # depend on the interface pasta makes.
         prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
-        _ip_in(netns, userns, "".join(f"route add prohibit {p}\n" for p in prefixes))
+        _ip_in(netns, userns, "".join(f"route replace prohibit {p}\n" for p in prefixes))
         # As root pasta would switch to nobody and could no longer join the namespace;
         # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
         who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]

@@ -536,7 +536,7 @@ class NamespaceBackend:
                 populate(guest)
                 assert isinstance(guest, NamespaceGuest)
                 guest.export_root(lambda stream: apply_layer(stream, staging, squash_owner=False,
-                                                             what="warm baseline export", guest_made=True))
+                                                             what="warm baseline export", guest_export=True))
 
         warm = prepare_derived(key, baseline, rootfs, capture, by=self.options.labels.get("worker", "main"))
         derived = Baseline(f"{baseline.reference} + setup", "rootfs-dir", warm.path, f"sha256:{key}")

@@ -1,0 +1,314 @@
+"""Issue 23, host-side unpacking: links judged by resolution, guest exports normalised, metadata
+and sparse data bounded, private cache and state dirs, and a safe ``copy_out(src, ".")``.
+
+Hostile streams are built here (no guest needed) and, where the path a user takes matters,
+sent through a real namespace guest. The "host" an attack aims at is a canary under this
+test's tmp dir: harmless if the attack succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import os
+import stat
+import tarfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm import hostfs, paths
+from pytest_smolvm.aio import AsyncVM
+from pytest_smolvm.backends import VMSpec
+from pytest_smolvm.backends.namespace import NamespaceBackend
+from pytest_smolvm.baseline import Baseline, apply_layer
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.vm import VM
+
+PAYLOAD = "payload"
+
+
+def _tar(*members: tuple[str, bytes, str, int], fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    """(name, type, linkname or data, mode) members, in order."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+        for name, kind, extra, mode in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = kind, mode
+            if kind == tarfile.REGTYPE:
+                info.size = len(extra)
+                tar.addfile(info, io.BytesIO(extra.encode()))
+            else:
+                info.linkname = extra
+                tar.addfile(info)
+    return buffer.getvalue()
+
+
+def _copy(data: bytes, dest: Path, caps: hostfs.Caps | None = None) -> Path:
+    hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD), caps)
+    return dest / PAYLOAD
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Path:
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "passwd").write_text("host secret\n")
+    return host
+
+
+# The issue's shape: three ``d/up`` pairs spell six levels down and resolve to the tree's
+# root, so the six ``..`` after them climb six levels above it while the spelling stays inside.
+EVIL = "d/up/d/up/d/up/../../../../../../host/passwd"
+
+
+def test_the_issue_repro_link_through_a_dotdot_link_is_refused(tmp_path: Path, canary: Path) -> None:
+    dest = tmp_path / "1" / "2" / "3" / "4" / "dest"  # the tree's root, payload, is six below tmp_path
+    dest.mkdir(parents=True)
+    data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/d", tarfile.DIRTYPE, "", 0o755),
+                (f"{PAYLOAD}/d/up", tarfile.SYMTYPE, "..", 0o777), (f"{PAYLOAD}/evil", tarfile.SYMTYPE, EVIL, 0o777))
+    with pytest.raises(hostfs.UnsafeArchive, match=r"evil.*resolves outside"):
+        _copy(data, dest)
+
+
+def test_a_link_made_later_cannot_turn_an_earlier_one_outward(tmp_path: Path, canary: Path) -> None:
+    """``evil`` is checked against the finished tree: ``a/b/up`` only becomes ``-> ..`` after it."""
+    dest = tmp_path / "dest"  # resolved, evil climbs from payload/a to tmp_path
+    dest.mkdir()
+    data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/a/b", tarfile.DIRTYPE, "", 0o755),
+                (f"{PAYLOAD}/evil", tarfile.SYMTYPE, "a/b/up/../../../host/passwd", 0o777),
+                (f"{PAYLOAD}/a/b/up", tarfile.SYMTYPE, "..", 0o777))
+    with pytest.raises(hostfs.UnsafeArchive, match=r"evil.*resolves outside"):
+        _copy(data, dest)
+
+
+def test_links_that_resolve_inside_still_come_out(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    out = _copy(_tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/d/f", tarfile.REGTYPE, "in", 0o644),
+                     (f"{PAYLOAD}/d/up", tarfile.SYMTYPE, "..", 0o777),
+                     (f"{PAYLOAD}/ok", tarfile.SYMTYPE, "d/up/d/up/d/f", 0o777),
+                     (f"{PAYLOAD}/dangling", tarfile.SYMTYPE, "d/missing/x", 0o777)), dest)
+    assert (out / "ok").read_text() == "in"
+    assert os.readlink(out / "dangling") == "d/missing/x"
+
+
+def test_copy_out_of_the_issue_repro_tree_reads_no_host_file(vm: VM, tmp_path: Path, canary: Path) -> None:
+    parent = tmp_path / "1" / "2" / "3" / "4"  # copy_out's staging tree root is six below tmp_path
+    parent.mkdir(parents=True)
+    vm.exec(f"mkdir -p /t/d && ln -s .. /t/d/up && ln -s {EVIL} /t/evil", check=True)
+    with pytest.raises(GuestError, match="resolves outside"):
+        vm.copy_out("/t", parent / "out")
+    assert list(parent.iterdir()) == []  # neither the copy nor its staging dir is left
+
+
+# ------------------------------------------------------------------ normalisation
+
+
+def test_copy_out_directory_modes_are_masked_so_the_host_can_clean_them(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    out = _copy(_tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/none", tarfile.DIRTYPE, "", 0o000),
+                     (f"{PAYLOAD}/none/f", tarfile.REGTYPE, "x", 0o644),
+                     (f"{PAYLOAD}/open", tarfile.DIRTYPE, "", 0o777)), dest)
+    assert stat.S_IMODE((out / "none").stat().st_mode) == 0o700
+    assert stat.S_IMODE((out / "open").stat().st_mode) == 0o755
+
+
+def test_a_warm_export_is_normalised(tmp_path: Path) -> None:
+    """No setuid/setgid, no world-writable dir without the sticky bit, no devices; a sticky
+    /tmp and ordinary modes stay as the guest left them."""
+    dest = tmp_path / "rootfs"
+    dest.mkdir()
+    data = _tar(("bin", tarfile.DIRTYPE, "", 0o755), ("bin/sh", tarfile.REGTYPE, "sh", 0o4755),
+                ("bin/wall", tarfile.REGTYPE, "w", 0o2755), ("tmp", tarfile.DIRTYPE, "", 0o1777),
+                ("open", tarfile.DIRTYPE, "", 0o777), ("locked", tarfile.DIRTYPE, "", 0o000),
+                ("dev", tarfile.DIRTYPE, "", 0o755), ("dev/sda", tarfile.BLKTYPE, "", 0o666))
+    apply_layer(io.BytesIO(data), dest, squash_owner=False, what="warm baseline export", guest_export=True)
+    modes = {p: stat.S_IMODE((dest / p).stat().st_mode) for p in ("bin/sh", "bin/wall", "tmp", "open", "locked")}
+    assert modes == {"bin/sh": 0o755, "bin/wall": 0o755, "tmp": 0o1777, "open": 0o755, "locked": 0o700}
+    assert not (dest / "dev" / "sda").exists()
+
+
+def test_the_namespace_warm_baseline_keeps_no_setuid_file(ns_backend: NamespaceBackend, baseline: Baseline) -> None:
+    """The issue's repro: a ``chmod 4755`` shell from the warm-up must not sit in the cache."""
+    def populate(guest: object) -> None:
+        VM(guest, backend="namespace", isolation="namespace").exec(  # type: ignore[arg-type]
+            "cp /bin/busybox /suid-sh 2>/dev/null || cp /bin/sh /suid-sh; chmod 4755 /suid-sh && mkdir -m 777 /open",
+            check=True)
+
+    @contextlib.contextmanager
+    def scratch(base: Baseline) -> Iterator[object]:
+        guest = ns_backend.create(VMSpec(name=f"sec-warm-{uuid.uuid4().hex[:8]}", baseline=base))
+        try:
+            yield guest
+        finally:
+            guest.destroy()
+
+    derived = ns_backend.derive_baseline(baseline, uuid.uuid4().hex, populate, scratch)  # type: ignore[arg-type]
+    root = Path(derived.path)
+    assert stat.S_IMODE((root / "suid-sh").stat().st_mode) == 0o755
+    assert stat.S_IMODE((root / "open").stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("which", ["cache", "state"])
+def test_cache_and_state_dirs_are_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    monkeypatch.delenv("PYTEST_SMOLVM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("PYTEST_SMOLVM_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    get: Callable[[], Path] = paths.cache_dir if which == "cache" else paths.state_dir
+    made = get()
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    made.chmod(0o755)  # made by an older version
+    assert stat.S_IMODE(get().stat().st_mode) == 0o700
+    explicit = tmp_path / "explicit" / which
+    monkeypatch.setenv(f"PYTEST_SMOLVM_{which.upper()}_DIR", str(explicit))
+    assert get() == explicit and stat.S_IMODE(explicit.stat().st_mode) == 0o700
+
+
+# ------------------------------------------------------------------ bounds
+
+
+def test_metadata_headers_before_one_member_are_bounded_in_total() -> None:
+    """Each pax header alone is under the 1 MiB cap; together they must not be held."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(PAYLOAD)
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    raw = bytearray()
+    for i in range(24):  # distinct keys: each header adds 512 KiB to what the parser holds
+        value = "v" * (512 << 10)
+        record = f"comment{i}={value}\n"
+        length = len(record) + 8
+        length = len(f"{length} {record}")
+        body = f"{length} {record}".encode()
+        header = tarfile.TarInfo("././@PaxHeader")
+        header.type, header.size = tarfile.XHDTYPE, len(body)
+        raw += header.tobuf(tarfile.USTAR_FORMAT) + body + bytes(-len(body) % 512)
+    data = bytes(raw) + buffer.getvalue()
+    dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"pax-{uuid.uuid4().hex}"
+    dest.mkdir()
+    try:
+        with pytest.raises(hostfs.UnsafeArchive, match="before one member"):
+            _copy(data, dest)
+    finally:
+        for p in sorted(dest.rglob("*"), reverse=True):
+            p.rmdir()
+        dest.rmdir()
+
+
+def test_long_zero_runs_land_as_holes(tmp_path: Path) -> None:
+    """A guest file of zeros is free in the guest; the host must not pay blocks for it."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    zeros = 64 << 20
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo(f"{PAYLOAD}/zeros")
+        info.size = zeros + 4
+        tar.addfile(info, io.BytesIO(bytes(zeros) + b"tail"))
+    out = _copy(buffer.getvalue(), dest)
+    st = (out / "zeros").stat()
+    assert st.st_size == zeros + 4
+    assert st.st_blocks * 512 <= 4 << 20
+    with open(out / "zeros", "rb") as f:
+        f.seek(zeros - 4)
+        assert f.read() == bytes(4) + b"tail"
+
+
+# ------------------------------------------------------------------ copy_out's destination
+
+
+def test_copy_out_into_dot_puts_the_copy_inside_and_keeps_the_rest(vm: VM, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "mine.txt").write_text("keep me")
+    monkeypatch.chdir(work)
+    vm.exec("mkdir -p /t/sub && echo guest > /t/sub/f", check=True)
+    out = vm.copy_out("/t", ".")
+    assert out == Path("t") and (work / "t" / "sub" / "f").read_text() == "guest\n"
+    assert (work / "mine.txt").read_text() == "keep me"
+    again = vm.copy_out("/t/sub/f", work)  # an existing directory: the file goes inside it
+    assert again == work / "f" and again.read_text() == "guest\n"
+    assert sorted(p.name for p in work.iterdir()) == ["f", "mine.txt", "t"]  # no staging dir left
+
+
+def test_async_copy_out_takes_the_same_limits() -> None:
+    sync = inspect.signature(VM.copy_out).parameters
+    aio = inspect.signature(AsyncVM.copy_out).parameters
+    assert list(aio) == list(sync)
+    assert all(aio[name].kind == sync[name].kind for name in ("max_bytes", "timeout"))
+
+
+# ------------------------------------------------------------------ the confined helper on its own
+
+_ESCAPE = """
+import os, socket, sys
+sys.path[:0] = sys.argv[1].split(":")
+from pytest_smolvm import confined, hostfs
+try:
+    import pyseccomp
+except ImportError:
+    pyseccomp = None
+fd = os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY)
+confined._confine(fd, hostfs.Policy("test", prefix="payload"), hostfs.Caps(), pyseccomp)
+found = []
+for attempt, action in [
+    ("read-host-file", lambda: open(sys.argv[3]).read()),
+    ("climb-out", lambda: None if os.listdir("/../../..") == ["inside"] else os.listdir("/../../..")),
+    ("exec", lambda: os.execv("/bin/sh", ["sh"])),
+    ("socket", lambda: socket.socket()),
+    ("fork", lambda: os.fork()),
+    ("chroot", lambda: os.chroot("/")),
+]:
+    try:
+        result = action()
+        if result is not None:
+            found.append(f"{attempt}: allowed {str(result)[:40]!r}")
+    except OSError:
+        pass
+print("|".join(found) or "contained")
+"""
+
+
+def test_the_helper_reaches_nothing_but_its_destination(tmp_path: Path, canary: Path) -> None:
+    """The first wall alone, as if the walker had let a link through: confined, the helper can
+    read no host file, see no dir above its root, exec, fork, open sockets or chroot."""
+    import subprocess
+    import sys
+
+    from pytest_smolvm import confined
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "inside").write_text("in")
+    result = subprocess.run([sys.executable, "-I", "-S", "-c", _ESCAPE, confined._import_paths(), str(dest),
+                             str(canary / "passwd")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "contained"
+
+
+def test_collected_paths_nested_under_one_another_replace_not_nest(vm: VM, tmp_path: Path) -> None:
+    """A child path collected after its parent (and the reverse) lands at its own name, never
+    inside the earlier copy's tree; a link the guest put there is replaced, not followed."""
+    import types
+
+    from pytest_smolvm.artifacts import _copy_out
+
+    vm.exec("mkdir -p /a/b && echo f > /a/b/f && ln -s b /a/link", check=True)
+    live = types.SimpleNamespace(vm=vm)
+    for order in (["/a", "/a/b", "/a/link"], ["/a/b", "/a"]):
+        files = tmp_path / f"files-{len(order)}"
+        notes: list[str] = []
+        for path in order:
+            _copy_out(live, path, files, 1 << 30, notes)  # type: ignore[arg-type]
+        assert (files / "a" / "b" / "f").read_text() == "f\n"
+        assert not (files / "a" / "b" / "b").exists()
+        assert not (files / "a").is_symlink() and not (files / "a" / "b").is_symlink()
+        assert [p.name for p in files.iterdir()] == ["a"]  # no staging copy left
