@@ -28,7 +28,16 @@ OTHER_HOST = "10.231.0.3"  # the stand-in internet's second host: not on any all
 
 @pytest.fixture
 def stand_in_internet() -> Iterator[str]:
-    """A namespace at 10.231.0.2 serving TCP port 8080, routed from the host over a veth pair."""
+    """A namespace at 10.231.0.2 serving TCP port 8080, routed from the host over a veth pair.
+
+    One at a time on this host: under -n 2 two of them would put 10.231.0.1 on two links."""
+    from filelock import FileLock
+
+    with FileLock(os.path.join(tempfile.gettempdir(), "pytest-smolvm-stand-in-internet.lock")):
+        yield from _stand_in_internet()
+
+
+def _stand_in_internet() -> Iterator[str]:
     tag = uuid.uuid4().hex[:6]
     ns, veth = f"sx-internet-{tag}", f"se{tag}"  # no "smolvm" in it: the leak checks look for that
     subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -51,9 +60,11 @@ def stand_in_internet() -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
-def _pasta_processes() -> list[str]:
+def _pasta_processes(state: Path) -> list[str]:
+    """pasta processes of guests made under ``state`` (its pid file, in their scratch dir, names
+    it): other tests' guests may have the network on at the same time under -n 2."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if "pasta -f -q -4" in line and "ps -eo" not in line]
+    return [line for line in out.splitlines() if "pasta -f -q -4" in line and str(state) in line]
 
 
 def test_network_true_reaches_the_internet_and_nothing_of_the_hosts(
@@ -88,7 +99,7 @@ def test_network_true_reaches_the_internet_and_nothing_of_the_hosts(
             assert "reached" not in r.stdout
     """)
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
-    assert _pasta_processes() == []
+    assert _pasta_processes(smol_state) == []
 
 
 def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_state: Path) -> None:
@@ -104,9 +115,9 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
     pytester.runpytest_subprocess()
     import time
     deadline = time.monotonic() + 10
-    while _pasta_processes() and time.monotonic() < deadline:
+    while _pasta_processes(smol_state) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _pasta_processes() == []
+    assert _pasta_processes(smol_state) == []
 
 
 def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
@@ -139,7 +150,7 @@ def test_nat(smol_vm):
         # Not NAT yet in this mode, and never the host's network (what it was before): refused, one line.
         assert "1 error" in result.stdout, result.stdout + result.stderr
         assert "network=True on the namespace backend needs root for now" in result.stdout
-        assert _pasta_processes() == []
+        assert _pasta_processes(home) == []
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -188,7 +199,7 @@ def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_
             assert False, "a failing test with the network on"
     """)
     pytester.runpytest_subprocess("-n", "2").assert_outcomes(passed=6, failed=1)
-    assert _pasta_processes() == []
+    assert _pasta_processes(smol_state) == []
 
 
 def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
@@ -224,4 +235,4 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*allow_hosts: 'no-such-name.invalid' does not resolve on the host*"])
-    assert _pasta_processes() == []
+    assert _pasta_processes(smol_state) == []
