@@ -38,7 +38,7 @@ def test_bootstrap_interval_covers_the_true_mean_about_95_percent_of_the_time() 
         interval = bootstrap(sample, resamples=400, seed=t)
         assert interval is not None
         covered += interval.low <= 0.3 <= interval.high
-    # Percentile bootstrap under-covers slightly at n=40; 0.88–0.99 holds for this fixed seed.
+    # Percentile bootstrap under-covers slightly at n=40; 0.88-0.99 holds for this fixed seed.
     assert 0.88 <= covered / trials <= 0.99
 
 
@@ -49,7 +49,8 @@ def _line(case: str, seed: int, reward: float, digest: str = "sha256:a") -> dict
 
 def test_compare_pairs_by_task_and_seed_and_flags_intervals_that_exclude_zero() -> None:
     base = [_line("sort", s, 0.2) for s in range(10)] + [_line("grep", s, 0.5 + 0.1 * (s % 2)) for s in range(10)]
-    other = [_line("sort", s, 0.9) for s in range(10)] + [_line("grep", s, 0.5 + 0.1 * ((s + 1) % 2)) for s in range(10)]
+    other = [_line("sort", s, 0.9) for s in range(10)]
+    other += [_line("grep", s, 0.5 + 0.1 * ((s + 1) % 2)) for s in range(10)]
     other.append(_line("sort", 99, 0.0))  # no partner in base: not paired
     diffs = {d.task: d for d in compare(base, other)}
     assert diffs["test_agent[sort]"].pairs == 10 and diffs["test_agent[sort]"].flagged

@@ -42,7 +42,7 @@ def bootstrap(values: Sequence[float], statistic: Callable[[Sequence[float]], fl
     draws = sorted(statistic([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
     tail = (1.0 - level) / 2.0
     low = draws[int(tail * (resamples - 1))]
-    high = draws[int(round((1.0 - tail) * (resamples - 1)))]
+    high = draws[round((1.0 - tail) * (resamples - 1))]
     return Interval(statistic(values), low, high)
 
 
@@ -63,7 +63,7 @@ def pass_at_k_curve(counts: Sequence[tuple[int, int]], level: float = 0.95,
         draws = sorted(_mean([pass_at_k(n, c, k) for n, c in rep]) for rep in replicas)
         tail = (1.0 - level) / 2.0
         curve.append(Interval(estimate, draws[int(tail * (resamples - 1))],
-                              draws[int(round((1.0 - tail) * (resamples - 1)))]))
+                              draws[round((1.0 - tail) * (resamples - 1))]))
     return curve
 
 
@@ -90,7 +90,7 @@ def _task(line: dict[str, Any]) -> str:
 
 
 def compare(base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> list[TaskDifference]:
-    """Per-task reward differences (``other`` − ``base``; pass = 1, fail = 0 where no reward),
+    """Per-task reward differences (``other`` - ``base``; pass = 1, fail = 0 where no reward),
     episodes paired by (task, seed), falling back to episode index when seeds are absent."""
     def keyed(lines: Sequence[dict[str, Any]]) -> dict[tuple[str, Any], float]:
         return {(_task(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): _score(ln)
