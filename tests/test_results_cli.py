@@ -73,3 +73,9 @@ def test_a_bad_results_file_is_a_one_line_error_naming_it(tmp_path: Path, conten
 ])
 def test_each_episode_gets_a_cause(line: dict[str, object], expected: str) -> None:
     assert cause(line) == expected
+
+
+def test_a_torn_last_line_is_skipped_as_read_results_does(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"v": 1, "function": "t", "outcome": "passed"}) + '\n{"v": 1, "func')
+    assert [line["function"] for line in read(path)] == ["t"]

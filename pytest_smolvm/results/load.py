@@ -26,7 +26,10 @@ def read(path: Path) -> list[dict[str, Any]]:
     except OSError as exc:
         raise ResultsError(f"{path}: cannot read: {exc.strerror or exc}") from None
     lines = []
-    for number, raw in enumerate(text.splitlines(), 1):
+    rows = text.splitlines()
+    if rows and not text.endswith("\n"):
+        rows.pop()  # a torn last line (the host went down mid-write), as episodes.read_results does
+    for number, raw in enumerate(rows, 1):
         if not raw.strip():
             continue
         try:
