@@ -1,4 +1,4 @@
-"""The ``pytest-smolvm`` command: doctor, ls, reap, shell, pull."""
+"""The ``pytest-smolvm`` command: doctor, ls, reap, shell, pull, results."""
 
 from __future__ import annotations
 
@@ -92,6 +92,26 @@ def _pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _results(args: argparse.Namespace) -> int:
+    """Summarize result files, and compare each later one with the first."""
+    from pathlib import Path
+
+    from pytest_smolvm.results.load import ResultsError, read
+    from pytest_smolvm.results.terminal import comparison, run_summary
+
+    try:
+        runs = [(Path(p), read(Path(p))) for p in args.files]
+    except ResultsError as exc:
+        print(f"pytest-smolvm results: {exc}", file=sys.stderr)
+        return 2
+    for path, lines in runs:
+        print("\n".join(run_summary(path, lines)))
+    base_path, base = runs[0]
+    for path, lines in runs[1:]:
+        print("\n".join(comparison(base_path, base, path, lines)))
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from pytest_smolvm.doctor import run_doctor
 
@@ -102,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pytest-smolvm", description="Look after the guests pytest-smolvm makes on this host: "
         "diagnose the host (doctor), list and remove guests (ls, reap), enter a kept one (shell), "
-        "pre-pull a baseline image (pull).")
+        "pre-pull a baseline image (pull), read eval results (results).")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="can this host boot microVMs? which backend runs, and the fix if not. "
                             "Exit 0: guests run here (a microVM, or the namespace backend where none "
@@ -121,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="credentials (else $PYTEST_SMOLVM_REGISTRY_AUTH, else ~/.docker/config.json)")
     pull.add_argument("--offline", action="store_true", help="only check that the image is in the cache")
     pull.set_defaults(run=_pull)
+    results = sub.add_parser("results", help="summarize --smol-results files; with two or more, compare "
+                             "each with the first, paired by task and seed")
+    results.add_argument("files", nargs="+", metavar="RUN.jsonl")
+    results.set_defaults(run=_results)
     shell = sub.add_parser("shell", help="open a shell in a kept guest")
     shell.add_argument("name")
     shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")
