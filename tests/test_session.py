@@ -139,3 +139,12 @@ def test_async_guest_tests_need_no_async_plugin(pytester: pytest.Pytester, smol_
     result.stdout.fnmatch_lines(["PASSED *test_plain_asyncio*"])
     # pytest's own refusal, untouched, for an async test that asked for no guest
     result.stdout.fnmatch_lines(["FAILED *test_without_a_guest_is_not_ours*"])
+
+
+def test_a_non_root_guest_user_can_write_dev_null(smol_state: Path) -> None:
+    # /dev/null was made 0644 (mknod under the umask): `cmd > /dev/null` failed for every non-root user
+    with Session(backend="namespace") as session:
+        vm = session.create(user="nobody")
+        done = vm.exec("echo x > /dev/null && echo written; stat -c %a /dev/null /dev/zero")
+        assert done.stdout == "written\n666\n666\n", done
+    assert_host_clean(smol_state)
