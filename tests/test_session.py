@@ -107,3 +107,12 @@ def test_a_killed_owner_s_guests_are_reaped_by_the_next_session(smol_state: Path
         session.create()  # the session's one decision reaps what dead owners left
         assert [r.name for r in records() if r.name == name] == []
     assert_host_clean(smol_state)
+
+
+def test_a_non_root_guest_user_can_write_dev_null(smol_state: Path) -> None:
+    # /dev/null was made 0644 (mknod under the umask): `cmd > /dev/null` failed for every non-root user
+    with Session(backend="namespace") as session:
+        vm = session.create(user="nobody")
+        done = vm.exec("echo x > /dev/null && echo written; stat -c %a /dev/null /dev/zero")
+        assert done.stdout == "written\n666\n666\n", done
+    assert_host_clean(smol_state)

@@ -231,6 +231,8 @@ def _mount_root(req: dict[str, Any]) -> str:
             # The guest's own inode, as runc makes it: through a bind of the host's node the
             # guest's root could chmod or chown the host's /dev/null. Also cheaper than a mount.
             os.mknod(target, stat.S_IMODE(host.st_mode) | stat.S_IFCHR, host.st_rdev)
+            # mknod's mode went through the umask: a non-root guest user could not write /dev/null
+            os.chmod(target, stat.S_IMODE(host.st_mode))  # our fresh tmpfs; the guest is not running yet
     for name, dest in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                        ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"),
                        ("ptmx", "pts/ptmx")):
