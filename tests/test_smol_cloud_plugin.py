@@ -57,7 +57,9 @@ def run_cli(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.Com
 def test_example_suite_runs_on_smol_cloud(pytester: pytest.Pytester, cloud: LoopbackCloud, token: str,
                                           workers: list[str]) -> None:
     shutil.copytree(EXAMPLES, pytester.path / "examples")
-    result = pytester.runpytest_subprocess("examples", *SMOL, *workers)
+    # The network example's stand-in index is a namespace on this host: a cloud machine is not
+    # on this host, so it could never reach it (that example is the namespace backend's NAT's).
+    result = pytester.runpytest_subprocess("examples", "--ignore=examples/network", *SMOL, *workers)
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) >= 10 and set(outcomes) <= {"passed", "warnings"}, result.stdout.str()
     result.stdout.fnmatch_lines(["smolvm: backend smol (isolation: microvm*"])

@@ -251,7 +251,13 @@ def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
 
             with open(store.blob_path(layer["digest"]), "rb") as f:
                 reader = store.HashingReader(f, on_bytes)
-                apply_layer(_decompressed(reader), dest, squash_owner=False)  # type: ignore[arg-type]
+                try:
+                    apply_layer(_decompressed(reader), dest, squash_owner=False)  # type: ignore[arg-type]
+                except UsageError:
+                    # A damaged cached blob can break the stream before its end is read (a bad
+                    # gzip trailer): the digest says whether the cache, not the image, is at fault.
+                    reader.verify(layer["digest"])
+                    raise
                 reader.verify(layer["digest"])
         progress.done(f"{len(layers)} layer(s) unpacked")
     except store.DigestMismatch as exc:
