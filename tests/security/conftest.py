@@ -6,6 +6,7 @@ in a user namespace): the same tests, so every boundary is checked in both modes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.backends import VMSpec
+from pytest_smolvm.backends import Guest, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend
 from pytest_smolvm.baseline import Baseline, resolve
 from pytest_smolvm.vm import VM
@@ -105,3 +106,23 @@ def probe(vm: VM, probe_binary: Path) -> Callable[..., dict[str, str]]:
         assert result.exit_code == 0, result.stderr
         return dict(line.split(" ", 1) for line in result.stdout.splitlines())
     return run
+
+
+@pytest.fixture
+def warm_baseline(ns_backend: NamespaceBackend, baseline: Baseline) -> Callable[[str], Baseline]:
+    """``warm_baseline(script)``: a warm baseline made as a run makes one, the guest running ``script``
+    (a hostile warm-up), exported and unpacked into the cache."""
+    def make(script: str) -> Baseline:
+        def populate(guest: Guest) -> None:
+            VM(guest, backend="namespace", isolation="namespace").exec(script, check=True)
+
+        @contextlib.contextmanager
+        def scratch_guest(base: Baseline) -> Iterator[Guest]:
+            guest = ns_backend.create(VMSpec(name=f"sec-warm-{uuid.uuid4().hex[:8]}", baseline=base))
+            try:
+                yield guest
+            finally:
+                guest.destroy()
+
+        return ns_backend.derive_baseline(baseline, uuid.uuid4().hex, populate, scratch_guest)
+    return make

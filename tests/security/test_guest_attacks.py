@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm import registry
-from pytest_smolvm.backends import DEFAULT_DISK_MB, Guest, VMSpec
+from pytest_smolvm.backends import DEFAULT_DISK_MB, VMSpec
 from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
 from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
@@ -540,25 +540,12 @@ def test_missing_libseccomp_refuses_to_start(monkeypatch: pytest.MonkeyPatch) ->
 # ------------------------------------------------------------------ 12. the guest's root, prepared by the host
 
 
-def test_12_a_warm_baseline_s_links_make_the_host_touch_nothing(ns_backend: NamespaceBackend, baseline: Baseline,
-                                                                make_vm: Callable[..., VM], canary: Path) -> None:
+def test_12_a_warm_baseline_s_links_make_the_host_touch_nothing(ns_backend: NamespaceBackend, canary: Path,
+                                                                warm_baseline: Callable[[str], Baseline]) -> None:
     """A warm baseline is what an earlier guest left: its /tmp and /workspace replaced by links to
     host paths. Preparing a later guest's root must not chmod, create or mount anything there
     (it once made the host chmod the link's target 1777)."""
-    attack = f"rm -rf /tmp /workspace && ln -s {canary} /tmp && ln -s {canary} /workspace"
-
-    def populate(guest: Guest) -> None:
-        VM(guest, backend="namespace", isolation="namespace").exec(attack, check=True)
-
-    @contextlib.contextmanager
-    def scratch_guest(base: Baseline) -> Iterator[Guest]:
-        guest = ns_backend.create(VMSpec(name=f"sec-{uuid.uuid4().hex[:10]}", baseline=base))
-        try:
-            yield guest
-        finally:
-            guest.destroy()
-
-    warm = ns_backend.derive_baseline(baseline, uuid.uuid4().hex, populate, scratch_guest)
+    warm = warm_baseline(f"rm -rf /tmp /workspace && ln -s {canary} /tmp && ln -s {canary} /workspace")
     assert os.readlink(ns_backend.rootfs(warm).path / "tmp") == str(canary)  # the attack is in the baseline
     guest = ns_backend.create(VMSpec(name=f"sec-{uuid.uuid4().hex[:10]}", baseline=warm))
     vm = VM(guest, backend="namespace", isolation="namespace")

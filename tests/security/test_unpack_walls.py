@@ -8,22 +8,19 @@ test's tmp dir: harmless if the attack succeeds.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import io
 import os
 import stat
 import tarfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pytest_smolvm import hostfs, paths
 from pytest_smolvm.aio import AsyncVM
-from pytest_smolvm.backends import VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend
 from pytest_smolvm.baseline import Baseline, apply_layer
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.vm import VM
@@ -133,22 +130,10 @@ def test_a_warm_export_is_normalised(tmp_path: Path) -> None:
     assert not (dest / "dev" / "sda").exists()
 
 
-def test_the_namespace_warm_baseline_keeps_no_setuid_file(ns_backend: NamespaceBackend, baseline: Baseline) -> None:
+def test_the_namespace_warm_baseline_keeps_no_setuid_file(warm_baseline: Callable[[str], Baseline]) -> None:
     """The issue's repro: a ``chmod 4755`` shell from the warm-up must not sit in the cache."""
-    def populate(guest: object) -> None:
-        VM(guest, backend="namespace", isolation="namespace").exec(  # type: ignore[arg-type]
-            "cp /bin/busybox /suid-sh 2>/dev/null || cp /bin/sh /suid-sh; chmod 4755 /suid-sh && mkdir -m 777 /open",
-            check=True)
-
-    @contextlib.contextmanager
-    def scratch(base: Baseline) -> Iterator[object]:
-        guest = ns_backend.create(VMSpec(name=f"sec-warm-{uuid.uuid4().hex[:8]}", baseline=base))
-        try:
-            yield guest
-        finally:
-            guest.destroy()
-
-    derived = ns_backend.derive_baseline(baseline, uuid.uuid4().hex, populate, scratch)  # type: ignore[arg-type]
+    derived = warm_baseline(
+        "cp /bin/busybox /suid-sh 2>/dev/null || cp /bin/sh /suid-sh; chmod 4755 /suid-sh && mkdir -m 777 /open")
     root = Path(derived.path)
     assert stat.S_IMODE((root / "suid-sh").stat().st_mode) == 0o755
     assert stat.S_IMODE((root / "open").stat().st_mode) == 0o755
