@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from pytest_smolvm.backends import VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend
-from pytest_smolvm.baseline import resolve
+from pytest_smolvm.backends.base import VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.baselines.baseline import resolve
 
 ARGV = ["/bin/sh", "-c", "true"]  # what smol_vm.exec("true") sends
 

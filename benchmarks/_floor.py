@@ -11,7 +11,7 @@ exits; remove the cgroups. Prints one JSON list: seconds per iteration.
 With ``guest-mounts`` the tmpfs and overlay are made by the backend's own code, with
 everything else a hardened guest mounts: its /dev (nodes, links, a /dev/shm tmpfs), its /proc
 with Docker's masked and read-only paths, its hostname and loopback, and the pivot into its
-root (``_nsguest._mount_root`` and ``_enter_root``, loaded from the file: the helper's
+root (``helper.setup._mount_root`` and ``_enter_root``, imported in-process: the helper's
 module, in the helper's interpreter, without the package). The /proc is mounted by the
 forked process, not by a pid 1 of the new namespace: the same mounts, made one process up.
 
@@ -24,7 +24,6 @@ no plugin and no guest helper, for benchmarks/scaling_floor.py.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pytest_smolvm import cgroups  # standard library only, as the zygote
+from pytest_smolvm.backends.namespace import cgroups  # standard library only, as the zygote
 
 CLONE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x20000000 | 0x40000000 | 0x02000000  # NS UTS IPC PID NET CGROUP
 MS_REC_PRIVATE = 0x4000 | 0x40000
@@ -52,13 +51,10 @@ def _check(result: int, what: str) -> None:
 
 
 def _guest_module() -> Any:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "pytest_smolvm", "backends", "_nsguest.py")
-    spec = importlib.util.spec_from_file_location("_nsguest", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The helper's setup module: what a guest's setup process runs to make its root."""
+    from pytest_smolvm.backends.namespace.helper import setup
+
+    return setup
 
 
 def one(lower: str, workdir: str, limits: cgroups.Limits, bpf: bytes, guest: Any,

@@ -14,9 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-from pytest_smolvm.backends import VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend
-from pytest_smolvm.baseline import resolve
+from pytest_smolvm.backends.base import VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.baselines.baseline import resolve
 
 
 def one(backend: NamespaceBackend, network: bool, baseline: object) -> float:

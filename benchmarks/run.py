@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.baseline import force_rmtree
+from pytest_smolvm.baselines.baseline import force_rmtree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -133,8 +133,8 @@ def bench_dirs(quick: bool) -> Iterator[Config]:
 
 @contextmanager
 def backend_session() -> Iterator[tuple[Any, Any]]:
-    from pytest_smolvm.backends.namespace import NamespaceBackend
-    from pytest_smolvm.baseline import resolve
+    from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+    from pytest_smolvm.baselines.baseline import resolve
 
     backend = NamespaceBackend()
     baseline = resolve(None, REPO)
@@ -155,7 +155,7 @@ _made: list[Any] = []  # every guest new_guest made in this process
 
 
 def new_guest(backend: Any, baseline: Any) -> Any:
-    from pytest_smolvm.backends import VMSpec
+    from pytest_smolvm.backends.base import VMSpec
 
     guest = backend.create(VMSpec(name=f"bench-{os.getpid()}-{next(_names)}", baseline=baseline))
     _made.append(guest)
@@ -172,13 +172,13 @@ def guest_exec(guest: Any, argv: list[str]) -> None:
 
 def bench_baseline(cfg: Config) -> list[Figure]:
     """First use: unpack the bundled rootfs into an empty cache; then the cache-hit cost."""
-    from pytest_smolvm.baseline import bundled_rootfs_tarball
+    from pytest_smolvm.baselines.baseline import bundled_rootfs_tarball
 
     probe = textwrap.dedent("""
         import time
         from pathlib import Path
         started = time.perf_counter()
-        from pytest_smolvm.baseline import resolve, unpack
+        from pytest_smolvm.baselines.baseline import resolve, unpack
         rootfs = unpack(resolve(None, Path.cwd()))
         print(time.perf_counter() - started)
     """)
@@ -208,8 +208,8 @@ def bench_baseline(cfg: Config) -> list[Figure]:
 
 def floor_command(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[str]:
     """argv of benchmarks/_floor.py for ``iterations`` (plus 5 of warm-up), on the guests' tmpfs."""
-    from pytest_smolvm import seccomp
-    from pytest_smolvm.baseline import resolve, unpack
+    from pytest_smolvm.backends.namespace import seccomp
+    from pytest_smolvm.baselines.baseline import resolve, unpack
 
     lower = str(unpack(resolve(None, REPO)).path)
     floor_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or cfg.root) / "floor"  # where guests' scratch dirs are
@@ -283,7 +283,7 @@ def _make_tree(root: Path, files: int, size: int, per_dir: int) -> None:
 
 
 def bench_copy(cfg: Config) -> list[Figure]:
-    from pytest_smolvm.vm import VM
+    from pytest_smolvm.handle.vm import VM
 
     # The guest's files live in tmpfs; the host side of every copy (source, floor and copy_out
     # destinations) does too where /dev/shm allows, so that the disk (slow and noisy for 10,000
@@ -565,7 +565,7 @@ def bench_unused_plugin(cfg: Config) -> list[Figure]:
     plugin_s, run_s = median(imported), median(runs)
     figures.append(Figure(f"unused plugin, its import at startup (+{plugin_s * 1e3:.1f} ms; budget +60 ms)",
                           plugin_s, "s", "the whole run without it", run_s, f"<= {0.060 / run_s:.3f}x", None,
-                          "median of 3: import pytest_smolvm.plugin timed inside a pytest run"))
+                          "median of 3: import pytest_smolvm.plugin.hooks timed inside a pytest run"))
     return figures
 
 
@@ -575,7 +575,7 @@ import json, os, time
 
 def pytest_sessionstart(session):
     started = time.perf_counter()
-    import pytest_smolvm.plugin  # noqa: F401  (imported only: never registered in this run)
+    import pytest_smolvm.plugin.hooks  # noqa: F401  (imported only: never registered in this run)
     with open(os.environ["SMOLVM_BENCH_OUT"], "w") as f:
         json.dump(time.perf_counter() - started, f)
 """
@@ -587,7 +587,7 @@ def _spread(values: list[float]) -> str:
 
 def baseline_shell() -> list[str]:
     """argv that runs the default baseline's busybox sh on the host, unconfined, through its own loader."""
-    from pytest_smolvm.baseline import resolve, unpack
+    from pytest_smolvm.baselines.baseline import resolve, unpack
 
     rootfs = unpack(resolve(None, REPO)).path
     loaders = sorted((rootfs / "lib").glob("ld-musl-*.so.1"))

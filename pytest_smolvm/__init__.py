@@ -15,9 +15,9 @@ from pytest_smolvm.errors import (
 )
 
 if TYPE_CHECKING:
-    from pytest_smolvm.aio import AsyncVM
-    from pytest_smolvm.session import Session
-    from pytest_smolvm.vm import VM, ExecResult
+    from pytest_smolvm.handle.aio import AsyncVM
+    from pytest_smolvm.handle.vm import VM, ExecResult
+    from pytest_smolvm.session.library import Session
 
 __all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "MarkerError", "ProvisionError",
            "Session", "SmolVMError", "UsageError"]
@@ -28,15 +28,15 @@ def __getattr__(name: str) -> Any:
     # The handle's modules are imported on first use: pytest imports this package for every run
     # of every project that has the plugin installed, most of which never touch a guest.
     if name in ("VM", "ExecResult"):
-        from pytest_smolvm import vm
+        from pytest_smolvm.handle import vm
 
         return getattr(vm, name)
     if name == "AsyncVM":
-        from pytest_smolvm.aio import AsyncVM
+        from pytest_smolvm.handle.aio import AsyncVM
 
         return AsyncVM
     if name == "Session":
-        from pytest_smolvm.session import Session
+        from pytest_smolvm.session.library import Session
 
         return Session
     raise AttributeError(f"module 'pytest_smolvm' has no attribute {name!r}")

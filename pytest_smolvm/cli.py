@@ -8,9 +8,9 @@ import time
 from collections.abc import Sequence
 from importlib.util import find_spec
 
-from pytest_smolvm import registry
 from pytest_smolvm.backends import backend_class
-from pytest_smolvm.reaper import reap_orphans
+from pytest_smolvm.host import registry
+from pytest_smolvm.host.reaper import reap_orphans
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -56,28 +56,28 @@ def _shell(args: argparse.Namespace) -> int:
         print(f"pytest-smolvm shell: no guest named {args.name!r} (see 'pytest-smolvm ls')", file=sys.stderr)
         return 2
     if record.backend == "smol":
-        from pytest_smolvm.backends.smol_shell import shell
+        from pytest_smolvm.backends.smol.shell import shell
 
         return shell(record.data, args.command)
     if record.backend != "namespace":
         print(f"pytest-smolvm shell: {args.name} runs on {record.backend}; use its own tooling", file=sys.stderr)
         return 2
-    from pytest_smolvm.backends.ns_shell import shell as namespace_shell
+    from pytest_smolvm.backends.namespace.shell import shell as namespace_shell
 
     return namespace_shell(record.data, record.name, args.command)
 
 
 def _pull(args: argparse.Namespace) -> int:
     """Pull and unpack an image into this host's cache, as a test run would (for CI warm-up)."""
-    from pytest_smolvm import baseline
+    from pytest_smolvm.baselines import baseline
+    from pytest_smolvm.baselines.oci import resolve_image
+    from pytest_smolvm.baselines.oci.reference import parse
     from pytest_smolvm.errors import UsageError
-    from pytest_smolvm.oci import resolve_image
-    from pytest_smolvm.oci.reference import parse
-    from pytest_smolvm.settings import Settings
+    from pytest_smolvm.session.settings import Settings
 
     try:
         if args.registry_auth:
-            from pytest_smolvm.oci.auth import parse_auth_option
+            from pytest_smolvm.baselines.oci.auth import parse_auth_option
 
             parse_auth_option(args.registry_auth, "--registry-auth")
         pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
@@ -96,8 +96,8 @@ def _results(args: argparse.Namespace) -> int:
     """Summarize result files, and compare each later one with the first."""
     from pathlib import Path
 
-    from pytest_smolvm.results.load import ResultsError, read
-    from pytest_smolvm.results.terminal import comparison, run_summary
+    from pytest_smolvm.evals.results.load import ResultsError, read
+    from pytest_smolvm.evals.results.terminal import comparison, run_summary
 
     try:
         runs = [(Path(p), read(Path(p))) for p in args.files]
@@ -113,7 +113,7 @@ def _results(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from pytest_smolvm.doctor import run_doctor
+    from pytest_smolvm.backends.smol.doctor import run_doctor
 
     return run_doctor(sys.stdout, require_microvm=args.require_microvm)
 

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from pytest_smolvm.cgroups import state_tag
+from pytest_smolvm.backends.namespace.cgroups import state_tag
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.oci.pull import host_platform
+from pytest_smolvm.baselines.oci.pull import host_platform
 from tests import tools
 from tests.registry_server import (
     OCI_INDEX,

@@ -28,7 +28,7 @@ from typing import Any
 
 import zstandard
 
-from pytest_smolvm.baseline import bundled_rootfs_tarball
+from pytest_smolvm.baselines.baseline import bundled_rootfs_tarball
 from tests import tools
 
 REGISTRY_BINARY = "docker-registry"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.background import Ahead, Bounded
-from pytest_smolvm.pool import READY_TEST_ID
+from pytest_smolvm.session.background import Ahead, Bounded
+from pytest_smolvm.session.pool import READY_TEST_ID
 
 CORES = len(os.sched_getaffinity(0))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.baseline import bundled_rootfs_tarball
+from pytest_smolvm.baselines.baseline import bundled_rootfs_tarball
 
 PROBE_TEST = """
 def test_sees_the_image(smol_vm):

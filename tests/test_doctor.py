@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import probe
-from pytest_smolvm.doctor import pvm_evidence
+from pytest_smolvm.backends.smol import probe
+from pytest_smolvm.backends.smol.doctor import pvm_evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def _run_doctor(env_overrides: dict[str, str], tmp_path: Path) -> subprocess.Com
     env.update(env_overrides)
     env["PYTEST_SMOLVM_CACHE_DIR"] = str(tmp_path / "cache")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "pytest_smolvm.doctor"], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pytest_smolvm.backends.smol.doctor"], capture_output=True, text=True,
                           env=env, timeout=probe.probe_timeout() + probe.DELETE_TIMEOUT + 60)
 
 
@@ -128,7 +128,7 @@ def test_a_stalled_boot_is_killed_and_cleaned_up(monkeypatch: pytest.MonkeyPatch
     """On a PVM host a guest with the uid drop off hangs at boot: the stall the timeout exists for."""
     if pvm_evidence() is None or probe.precheck() is not None:
         pytest.skip("only a PVM host with KVM reliably stalls a boot")
-    from pytest_smolvm.backends.smol import list_owned
+    from pytest_smolvm.backends.smol.backend import list_owned
 
     vms_dir = probe.vm_data_dir("x").parent
     before = set(os.listdir(vms_dir)) if vms_dir.is_dir() else set()

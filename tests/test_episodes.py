@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.episodes import append_line, episode_seed, read_results
-from pytest_smolvm.eval_summary import format_compact, format_table, pass_at_k, summarize
+from pytest_smolvm.evals.episodes import append_line, episode_seed, read_results
+from pytest_smolvm.evals.summary import format_compact, format_table, pass_at_k, summarize
 
 EVALS = Path(__file__).resolve().parent.parent / "examples" / "evals"
 REQUIRED = {"v", "test", "function", "case", "params", "episode", "episodes", "seed", "outcome", "message",

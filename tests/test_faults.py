@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.cgroups import state_tag
+from pytest_smolvm.backends.namespace.cgroups import state_tag
 
 
 def wait_for(path: Path, timeout: float = 30) -> None:

@@ -13,9 +13,9 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
-from pytest_smolvm import probe
+from pytest_smolvm.backends.smol import probe
 from pytest_smolvm.cli import build_parser
-from pytest_smolvm.settings import MAX_TIMEOUT
+from pytest_smolvm.session.settings import MAX_TIMEOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = Path(__file__).with_name("tools.py")
@@ -75,7 +75,8 @@ def _help_texts() -> dict[str, str]:
 
 def test_help_texts_are_plain_text(pytester: pytest.Pytester) -> None:
     """What users read in a terminal carries no reST markup (``like this``)."""
-    from pytest_smolvm import episodes, plugin
+    from pytest_smolvm.evals import episodes
+    from pytest_smolvm.plugin import hooks as plugin
 
     texts = _help_texts()
     help_text = pytester.runpytest_subprocess("--help").stdout.str()
@@ -155,8 +156,8 @@ def test_a_bad_episode_count_is_said_once(pytester: pytest.Pytester) -> None:
 
 DECISION = """
     import time
-    from pytest_smolvm import plan
-    from pytest_smolvm.probe import ProbeResult
+    from pytest_smolvm.session import plan
+    from pytest_smolvm.backends.smol.probe import ProbeResult
 
     def slow_probe():
         time.sleep(3)

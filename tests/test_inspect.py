@@ -19,7 +19,7 @@ INSTALL = "pip install 'pytest-smolvm[inspect]'  (inspect-ai>=0.3.285)"
 
 def test_the_plugin_and_a_pytest_run_import_nothing_of_inspect(tmp_path: Path) -> None:
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
-    code = ("import sys, pytest, pytest_smolvm.plugin, pytest_smolvm\n"
+    code = ("import sys, pytest, pytest_smolvm.plugin.hooks, pytest_smolvm\n"
             f"rc = pytest.main(['-q', '-p', 'no:cacheprovider', {str(tmp_path)!r}])\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('inspect_ai', 'pydantic'))\n"
             "assert rc == 0 and not bad, (rc, bad[:5])\n")

@@ -264,9 +264,9 @@ def test_next_session_reaps_what_a_dead_run_left(pytester: pytest.Pytester, smol
 CONCURRENT_CREATES = """
 import os, signal, sys, threading
 from pathlib import Path
-from pytest_smolvm.backends import VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend
-from pytest_smolvm.baseline import resolve
+from pytest_smolvm.backends.base import VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.baselines.baseline import resolve
 
 backend = NamespaceBackend()
 baseline = resolve(None, Path.cwd())
@@ -308,7 +308,7 @@ def test_guests_asked_for_at_once_each_reach_their_asker(smol_state: Path) -> No
 
 
 def test_a_process_killed_while_its_guests_are_set_up_leaves_nothing(smol_state: Path) -> None:
-    from pytest_smolvm import cgroups
+    from pytest_smolvm.backends.namespace import cgroups
 
     if not cgroups.detect().parents:
         pytest.skip("needs guest cgroups, to see when the helper has forked every setup")
@@ -322,8 +322,8 @@ def test_a_guest_recorded_before_its_pid_is_destroyed_through_its_cgroup(tmp_pat
     """A run killed mid-create leaves a record with no pid yet (NamespaceBackend.reserve):
     destroying it kills what runs in the guest's own cgroup, and never what runs in a cgroup
     a damaged record names that is not a guest's."""
-    from pytest_smolvm import cgroups
-    from pytest_smolvm.backends.namespace import destroy_recorded
+    from pytest_smolvm.backends.namespace import cgroups
+    from pytest_smolvm.backends.namespace.backend import destroy_recorded
 
     limits = cgroups.detect()
     if not limits.parents:

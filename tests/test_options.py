@@ -206,7 +206,7 @@ def test_the_summary_says_what_ran_and_the_header_says_nothing(pytester: pytest.
 
 def test_smol_backend_where_no_microvm_boots_is_one_error_with_the_probes_reason(
         pytester: pytest.Pytester, smol_state: Path) -> None:
-    from pytest_smolvm.probe import probe  # the same cached probe the plugin uses
+    from pytest_smolvm.backends.smol.probe import probe  # the same cached probe the plugin uses
 
     verdict = probe()
     pytester.makepyfile(PASSING + PASSING.replace("test_ok", "test_ok_too"))

@@ -22,8 +22,8 @@ def test_plain():
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
 
 def test_nothing_heavy_was_imported():
-    heavy = [m for m in ("smol", "pytest_smolvm.pool", "pytest_smolvm.plan", "pytest_smolvm.backends",
-                         "pytest_smolvm.vm", "zstandard") if m in sys.modules]
+    heavy = [m for m in ("smol", "pytest_smolvm.session.pool", "pytest_smolvm.session.plan", "pytest_smolvm.backends",
+                         "pytest_smolvm.handle.vm", "zstandard") if m in sys.modules]
     assert heavy == []
 """
 
@@ -57,7 +57,7 @@ def test_the_plan_is_made_when_the_first_guest_is_asked_for(pytester: pytest.Pyt
         import os
 
         def test_a_plain_test_first():
-            assert "pytest_smolvm.plan" not in sys.modules
+            assert "pytest_smolvm.session.plan" not in sys.modules
             assert not (Path(os.environ["PYTEST_SMOLVM_STATE_DIR"]) / "registry").exists()
 
         def test_then_a_guest(smol_vm):
@@ -113,7 +113,7 @@ def pytest_configure(config):
     # A worker whose own view of the host differs from the controller's: its probe cache says a
     # microVM boots (a worker deciding for itself would pick smol), and the environment variable
     # xdist also sets names another worker.
-    from pytest_smolvm import probe
+    from pytest_smolvm.backends.smol import probe
     cache = Path(os.environ["PYTEST_SMOLVM_CACHE_DIR"]) / ("forged-" + workerinput["workerid"])
     os.environ["PYTEST_SMOLVM_CACHE_DIR"] = str(cache)
     probe._store(probe.cache_key(), probe.BootReport(True, "forged by the test", 0.0))
@@ -161,7 +161,7 @@ def test_a_bad_baseline_is_one_error_and_the_run_stops(pytester: pytest.Pytester
 def test_a_backend_close_that_raises_is_reported_not_an_internal_error(
         pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makeconftest("""
-        from pytest_smolvm.backends.namespace import NamespaceBackend
+        from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 
         original = NamespaceBackend.close
 
@@ -181,10 +181,10 @@ def test_a_backend_close_that_raises_is_reported_not_an_internal_error(
 def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -> None:
     import threading
 
-    from pytest_smolvm import registry
-    from pytest_smolvm.plan import Planner
-    from pytest_smolvm.pool import GuestPool, SmolVMWarning
-    from pytest_smolvm.settings import MarkerSpec, Settings
+    from pytest_smolvm.host import registry
+    from pytest_smolvm.session.plan import Planner
+    from pytest_smolvm.session.pool import GuestPool, SmolVMWarning
+    from pytest_smolvm.session.settings import MarkerSpec, Settings
 
     planner = Planner(Settings(backend="namespace"), "r" * 32, "main")
     pool = GuestPool(Settings(backend="namespace"), planner, run_id="r" * 32, worker="main")
@@ -205,7 +205,7 @@ def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -
 
 def test_probe_answers_hold_while_their_key_does_and_sdk_set_variables_do_not_change_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from pytest_smolvm import probe
+    from pytest_smolvm.backends.smol import probe
 
     monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SMOLVM_SECCOMP", raising=False)
@@ -230,7 +230,7 @@ def test_liveness_without_proc_uses_ps(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
     import sys
 
-    from pytest_smolvm import procs
+    from pytest_smolvm.host import procs
 
     monkeypatch.setattr(procs, "HAVE_PROC", False)
     me = procs.process_start_time(os.getpid())

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import baseline as baselines
+from pytest_smolvm.baselines import baseline as baselines
+from pytest_smolvm.baselines.oci import resolve_image, store
+from pytest_smolvm.baselines.oci.auth import lookup, parse_auth_option
+from pytest_smolvm.baselines.oci.reference import parse
 from pytest_smolvm.errors import UsageError
-from pytest_smolvm.oci import resolve_image, store
-from pytest_smolvm.oci.auth import lookup, parse_auth_option
-from pytest_smolvm.oci.reference import parse
-from pytest_smolvm.settings import Settings
+from pytest_smolvm.session.settings import Settings
 from tests.registry_fixtures import PRIVATE_USER, Images, no_partial_files
 from tests.registry_server import ProxyConfig, Registry, free_port, proxy
 
@@ -238,7 +238,7 @@ def test_a_layer_damaged_in_the_cache_fails_the_unpack_cleanly(oci_registry: Ima
 ], ids=["traversal-digest", "config-not-object", "platform-not-object", "schema1"])
 def test_hostile_manifests_are_one_line_errors(manifest: dict[str, object], oci_cache: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_smolvm.oci.client import Client
+    from pytest_smolvm.baselines.oci.client import Client
 
     body = json.dumps(manifest).encode()
     monkeypatch.setattr(Client, "manifest", lambda self, reference: (body, ""))

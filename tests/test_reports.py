@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.artifacts import artifact_dirname, cap_text
+from pytest_smolvm.plugin.artifacts import artifact_dirname, cap_text
 
 FAILING = """
     def test_fail(smol_vm):
@@ -133,7 +133,7 @@ def test_teardown_failure_after_a_clean_call_gets_the_transcript(pytester: pytes
 
 def test_size_caps_leave_a_visible_marker(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makeconftest("""
-        import pytest_smolvm.artifacts as artifacts
+        import pytest_smolvm.plugin.artifacts as artifacts
 
         artifacts.SECTION_LIMIT = 3000
         artifacts.FILES_BUDGET = 10_000

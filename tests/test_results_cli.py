@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.results.load import ResultsError, cause, read
+from pytest_smolvm.evals.results.load import ResultsError, cause, read
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pytest_smolvm.results.stats import Interval, baseline_digests, bootstrap, compare, pass_at_k_curve
+from pytest_smolvm.evals.results.stats import Interval, baseline_digests, bootstrap, compare, pass_at_k_curve
 
 
 def test_pass_at_k_curve_matches_hand_computed_values() -> None:

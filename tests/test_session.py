@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm import MarkerError, Session, UsageError
-from pytest_smolvm.pool import READY_TEST_ID
-from pytest_smolvm.registry import records
+from pytest_smolvm.host.registry import records
+from pytest_smolvm.session.pool import READY_TEST_ID
 from tests.leaks import assert_host_clean, guest_processes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import registry
+from pytest_smolvm.host import registry
 from tests.smolcloud.harness import ROOT, LoopbackCloud
 
 pytest.importorskip("smol")
@@ -121,9 +121,9 @@ def test_network_off_open_and_allow_hosts_reach_the_cloud_as_asked(
 def test_allow_hosts_never_asks_for_network_off_alongside_the_list(token: str) -> None:
     from smol.transport import _native_config, resolve_network
 
-    from pytest_smolvm.backends import BackendOptions, VMSpec
-    from pytest_smolvm.backends.smol import SmolBackend
-    from pytest_smolvm.baseline import Baseline
+    from pytest_smolvm.backends.base import BackendOptions, VMSpec
+    from pytest_smolvm.backends.smol.backend import SmolBackend
+    from pytest_smolvm.baselines.baseline import Baseline
 
     backend = SmolBackend(BackendOptions(target="cloud"))
     image = Baseline("alpine", "registry", None, "alpine")

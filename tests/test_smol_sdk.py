@@ -1,6 +1,6 @@
 """What the smol backend relies on beyond the SDK's public API still holds in the installed SDK.
 
-When this fails after an SDK upgrade: re-read the SDK source named in pytest_smolvm/smol_sdk.py,
+When this fails after an SDK upgrade: re-read the SDK source named in pytest_smolvm/backends/smol/sdk.py,
 update that module (and SDK_VERSION_READ), and the loopback cloud's shapes (tests/smolcloud/wire.py).
 """
 
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pytest_smolvm import smol_sdk
-from pytest_smolvm.backends.smol import owner_alive
-from pytest_smolvm.procs import process_start_time
+from pytest_smolvm.backends.smol import sdk as smol_sdk
+from pytest_smolvm.backends.smol.backend import owner_alive
+from pytest_smolvm.host.procs import process_start_time
 
 pytest.importorskip("smol")
 

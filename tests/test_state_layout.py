@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import registry
-from pytest_smolvm.backends.namespace import NamespaceBackend
-from pytest_smolvm.paths import runtime_dir, state_dir
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.host import registry
+from pytest_smolvm.host.paths import runtime_dir, state_dir
 from tests.leaks import assert_host_clean
 
 
@@ -45,13 +45,13 @@ def test_without_any_tmpfs_the_state_dir_holds_everything(monkeypatch: pytest.Mo
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr("pytest_smolvm.paths._is_tmpfs", lambda path: False)  # no /run, no /dev/shm
+    monkeypatch.setattr("pytest_smolvm.host.paths._is_tmpfs", lambda path: False)  # no /run, no /dev/shm
     assert runtime_dir() == state_dir() == tmp_path / "pytest-smolvm"
 
 
 def test_a_shared_tmpfs_dir_is_used_only_if_it_is_ours_alone(tmp_path: Path) -> None:
     """/dev/shm is writable by every user: what another user planted there is never used."""
-    from pytest_smolvm.paths import _own_private_dir
+    from pytest_smolvm.host.paths import _own_private_dir
 
     euid = os.geteuid()
     made = _own_private_dir(str(tmp_path / "fresh"), euid)
@@ -69,7 +69,7 @@ def test_a_shared_tmpfs_dir_is_used_only_if_it_is_ours_alone(tmp_path: Path) -> 
 
 
 def test_without_a_session_runtime_dir_a_tmpfs_is_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from pytest_smolvm.paths import _is_tmpfs
+    from pytest_smolvm.host.paths import _is_tmpfs
 
     monkeypatch.delenv("PYTEST_SMOLVM_STATE_DIR", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
@@ -139,7 +139,7 @@ def test_a_run_keeps_namespace_records_and_scratch_in_the_runtime_dir(
 def test_a_save_cut_in_half_by_a_dead_writer_is_swept_by_the_reaper(split_dirs: tuple[Path, Path]) -> None:
     """A pytest killed with its helper in the middle of a save leaves the save's temp file: the
     next reap removes it, and never the temp file of a save still under way."""
-    from pytest_smolvm import reaper
+    from pytest_smolvm.host import reaper
 
     runtime, _ = split_dirs
     (runtime / "registry").mkdir(parents=True)

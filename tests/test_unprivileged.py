@@ -30,7 +30,7 @@ def _nobody_cannot_import() -> str:
     """Why user nobody cannot run this Python with the plugin (a venv under /root, say), or ""."""
     probe = subprocess.run(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c",
-         "import pytest, xdist, pytest_smolvm.plugin"],
+         "import pytest, xdist, pytest_smolvm.plugin.hooks"],
         env=_base_env(), cwd="/", capture_output=True, text=True, timeout=60)
     if probe.returncode == 0:
         return ""

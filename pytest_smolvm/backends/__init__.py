@@ -1,222 +1,26 @@
-"""The one small protocol every backend implements, and the one place that picks a backend.
+"""Backends: how guests are made. ``base`` is the protocol; this module picks a backend by name.
 
-Fixtures and the VM handle talk to a :class:`Guest`; the session talks to a :class:`Backend`.
-Nothing outside ``backends/`` knows how a guest is made.
+``namespace/`` (Linux namespaces + overlayfs) and ``smol/`` (smolmachines microVMs, local or cloud)
+are the built-in ones; others register under the ``pytest_smolvm.backends`` entry-point group.
+Code outside ``backends/`` imports ``base`` and :func:`backend_class`, never a backend's modules.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING
 
 from pytest_smolvm.errors import UsageError
-from pytest_smolvm.probe import ProbeResult
 
 if TYPE_CHECKING:
-    from pytest_smolvm.baseline import Baseline
+    from pytest_smolvm.backends.base import Backend
 
 ENTRY_POINT_GROUP = "pytest_smolvm.backends"
 BUILTIN_BACKENDS = {
-    "namespace": "pytest_smolvm.backends.namespace:NamespaceBackend",
-    "smol": "pytest_smolvm.backends.smol:SmolBackend",
+    "namespace": "pytest_smolvm.backends.namespace.backend:NamespaceBackend",
+    "smol": "pytest_smolvm.backends.smol.backend:SmolBackend",
 }
-
-
-DEFAULT_DISK_MB = 2048  # a namespace guest's tmpfs disk; its files count toward the guest's memory cgroup
-
-
-@dataclass(frozen=True)
-class VMSpec:
-    """Everything a backend needs to make one guest; resolved from marker, CLI, ini and defaults."""
-
-    name: str
-    baseline: Baseline
-    cpus: float | None = None
-    memory_mb: int | None = None
-    disk_mb: int = DEFAULT_DISK_MB
-    network: bool = False
-    allow_hosts: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
-    relax: tuple[str, ...] = ()  # confinement parts turned off for this guest (settings.RELAX_CHOICES)
-
-
-def spec_to_json(spec: VMSpec) -> dict[str, Any]:
-    """``spec`` as plain JSON (an xdist worker hands it to the controller)."""
-    raw = dataclasses.asdict(spec)
-    raw["baseline"]["path"] = str(spec.baseline.path) if spec.baseline.path else None
-    return raw
-
-
-def spec_from_json(raw: Mapping[str, Any]) -> VMSpec:
-    from pytest_smolvm.baseline import Baseline
-
-    base = dict(raw["baseline"])
-    base["path"] = Path(base["path"]) if base.get("path") else None
-    return VMSpec(**{**raw, "baseline": Baseline(**base), "allow_hosts": tuple(raw.get("allow_hosts") or ())})
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """What the pool tells a backend when it makes one (every backend takes the same).
-
-    ``shared`` is what :meth:`Backend.prepare_run` returned in the process that outlives the
-    others (the RunPlan carries it to xdist workers); ``share_source`` asks that process for a
-    machine it makes and owns on the worker's behalf (``None`` in that process itself).
-    """
-
-    target: str = "local"
-    labels: Mapping[str, str] = field(default_factory=dict)
-    shared: Mapping[str, str] = field(default_factory=dict)
-    share_source: Callable[[VMSpec], str] | None = None
-
-
-@dataclass(frozen=True)
-class GuestExecResult:
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool = False
-    truncated: tuple[str, ...] = ()  # "stdout"/"stderr": cut at the output limit
-    cancelled: bool = False
-
-
-OutputCallback = Callable[[str, bytes], None]  # ("stdout" | "stderr", chunk), as it arrives
-
-
-class Cancel:
-    """Asks a running guest call to stop; the backend then kills the guest command.
-
-    Thread-safe: ``cancel()`` comes from another thread (an event loop whose task was
-    cancelled) while the call runs in its own. Callbacks run once, in the cancelling thread.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self._cancelled:
-                return
-            self._cancelled = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def add(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on cancel (at once if cancelled already)."""
-        with self._lock:
-            if not self._cancelled:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def remove(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-
-class Guest(Protocol):
-    """One live guest, safe to call from several threads at once.
-
-    Methods raise :class:`pytest_smolvm.errors.GuestError` when the guest is gone or broken;
-    file operations raise ``OSError`` subclasses (errno, guest path) for the guest's own
-    refusals; ``user`` (a name or uid in the guest's /etc/passwd, None for the guest's
-    default) raises :class:`pytest_smolvm.errors.GuestUserError` when unknown. A guest may
-    have a ``workdir`` attribute (the image's working directory); ``/`` otherwise.
-    """
-
-    name: str
-
-    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
-             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
-             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
-        """Run ``argv``; a program that cannot start raises ``OSError`` as ``subprocess`` does."""
-
-    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None: ...
-
-    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
-        """The file's bytes; past ``max_bytes``, ``OSError(EFBIG)``."""
-
-    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
-                    user: str | None = None) -> None:
-        """Extract into ``guest_dir`` the uncompressed tar stream that ``produce`` writes."""
-
-    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
-                    user: str | None = None) -> None:
-        """Stream ``guest_path`` (file or tree, as ``arcname``) as a tar to ``consume``.
-
-        A tree's members may instead be named relative to it (``.``, ``./sub``), as a tar
-        that cannot rename members writes them. The stream is guest-controlled: ``consume``
-        must treat it as hostile.
-        """
-
-    def logs(self) -> str: ...
-
-    def keep(self) -> None:
-        """Let the guest outlive the process that made it (``--smol-keep``)."""
-
-    def registry_data(self) -> dict[str, Any]:
-        """What :meth:`Backend.destroy_recorded` needs to find this guest from another process."""
-
-    def destroy(self) -> None: ...
-
-
-class Backend(Protocol):
-    name: ClassVar[str]
-    isolation: ClassVar[str]  # "microvm" or "namespace": shown to users wherever it is used
-    # An idle guest costs nothing (no bill, no reserved memory): the pool may make one ahead.
-    idle_guests_are_free: ClassVar[bool]
-
-    def __init__(self, options: BackendOptions | None = None) -> None: ...
-
-    @classmethod
-    def probe(cls) -> ProbeResult: ...
-
-    @classmethod
-    def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
-        """Raise UsageError (naming ``option``, as the user wrote it) if this backend cannot use ``baseline``."""
-
-    def prepare_run(self, baseline: Baseline) -> dict[str, str]:
-        """Once per run, in the process that outlives the others: make ``baseline`` ready to fork
-        from (once per host) and return what every worker's backend gets as ``options.shared``."""
-
-    def share_source(self, spec: VMSpec) -> str:
-        """In the process that outlives the others: a machine for ``spec`` that it owns and
-        deletes at :meth:`close`; workers branch from it by the name returned."""
-
-    def create(self, spec: VMSpec) -> Guest: ...
-
-    def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
-                        scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
-        """A warm baseline: ``baseline`` after ``populate`` ran in a guest, once per host per ``key``.
-
-        ``scratch_guest`` makes a recorded guest (destroyed on exit) for backends that capture
-        a guest's filesystem; backends whose baseline is a live machine run ``populate`` there.
-        """
-
-    def destroy_recorded(self, data: Mapping[str, Any]) -> None:
-        """Destroy a guest known only by its registry record (reaper, ``pytest-smolvm reap``)."""
-
-    @classmethod
-    def reap_unrecorded(cls) -> list[str]:
-        """Remove what this backend made outside the registry (e.g. baseline machines) for dead owners."""
-
-    def close(self) -> None: ...
 
 
 def backend_class(name: str) -> type[Backend]:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pytest_smolvm.errors import UsageError
-from pytest_smolvm.settings import MARKER_KEYWORDS
+from pytest_smolvm.session.settings import MARKER_KEYWORDS
 
 # Only Inspect imports this module, and Inspect needs 3.11: tomllib is always there (mypy
 # checks the package as 3.10, hence the import by name).

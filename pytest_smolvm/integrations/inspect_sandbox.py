@@ -2,7 +2,7 @@
 
 Inspect loads this module through the ``inspect_ai`` entry point; nothing else imports it, so
 pytest runs and library users pay nothing for it. Guests come only from
-:class:`pytest_smolvm.session.Session` (one per task, keyed by task name and config), so
+:class:`pytest_smolvm.session.library.Session` (one per task, keyed by task name and config), so
 their lifecycle, registry records and reaping are the plugin's own.
 """
 
@@ -24,9 +24,9 @@ from inspect_ai.util import (
 from pydantic import BaseModel
 from typing_extensions import override
 
+from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.integrations.inspect_config import SmolvmSandboxConfig, load
-from pytest_smolvm.session import Session
-from pytest_smolvm.vm import VM
+from pytest_smolvm.session.library import Session
 
 WORKDIR = "/workspace"  # the sample's working directory, made writable by the config's user
 GUEST_MEMORY_MB = 256  # what default_concurrency budgets per guest when the config says nothing
@@ -121,8 +121,8 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
         """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper."""
-        from pytest_smolvm.aio import in_thread
-        from pytest_smolvm.reaper import reap_orphans
+        from pytest_smolvm.handle.aio import in_thread
+        from pytest_smolvm.host.reaper import reap_orphans
 
         names = None if id is None else {id: None}
         await in_thread(lambda: reap_orphans(names=names))

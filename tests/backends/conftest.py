@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.backends import Backend, BackendOptions, Guest, VMSpec, backend_class
-from pytest_smolvm.baseline import Baseline, resolve
-from pytest_smolvm.vm import VM
+from pytest_smolvm.backends import backend_class
+from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
+from pytest_smolvm.baselines.baseline import Baseline, resolve
+from pytest_smolvm.handle.vm import VM
 from tests.leaks import leftovers
 from tests.smolcloud.harness import LoopbackCloud
 
@@ -84,7 +85,7 @@ def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baselin
                 pytest.skip(f"{name} backend unavailable: {verdict.reason}")
         target = "cloud" if name == "smol-cloud" else "local"
         if name.startswith("smol"):
-            from pytest_smolvm.backends.smol import SmolBackend
+            from pytest_smolvm.backends.smol.backend import SmolBackend
 
             instance = SmolBackend(BackendOptions(target=target, labels={"run": RUN_ID, "worker": "conformance"}))
         else:
@@ -93,7 +94,7 @@ def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baselin
         yield instance
         instance.close()
         if name.startswith("smol"):
-            from pytest_smolvm.backends.smol import list_owned
+            from pytest_smolvm.backends.smol.backend import list_owned
 
             left = [m.name for m in list_owned({"pytest-smolvm": "1", "run": RUN_ID}, target=target)]
             assert left == [], f"smol machines outlived the backend's close(): {left}"

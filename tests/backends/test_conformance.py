@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.backends import DEFAULT_DISK_MB, Backend, BackendOptions, Guest
+from pytest_smolvm.backends.base import DEFAULT_DISK_MB, Backend, BackendOptions, Guest
 from pytest_smolvm.errors import GuestError, UsageError
-from pytest_smolvm.vm import VM
+from pytest_smolvm.handle.vm import VM
 from tests.backends.conftest import RUN_ID, MakeGuest
 
 
@@ -290,7 +290,7 @@ def test_destroy_leaves_nothing(make_guest: MakeGuest, backend: Backend) -> None
 
 
 def _check_namespace_destroy(guest: Guest) -> None:
-    from pytest_smolvm.procs import process_start_time
+    from pytest_smolvm.host.procs import process_start_time
 
     data = guest.registry_data()
     pid, scratch, cgroup_dirs = int(data["pid"]), Path(data["scratch"]), list(data["cgroups"])
@@ -302,8 +302,8 @@ def _check_namespace_destroy(guest: Guest) -> None:
 
 
 def _check_smol_destroy(guest: Guest, target: str) -> None:
-    from pytest_smolvm.backends.smol import list_owned
-    from pytest_smolvm.smol_sdk import vm_data_dir
+    from pytest_smolvm.backends.smol.backend import list_owned
+    from pytest_smolvm.backends.smol.sdk import vm_data_dir
 
     # list_owned names a cloud machine by its id (what delete takes), a local one by name
     me = str(guest.registry_data()["id"] if target == "cloud" else guest.name)
@@ -324,8 +324,8 @@ def _check_smol_destroy(guest: Guest, target: str) -> None:
 
 
 def test_importing_the_smol_backend_has_no_side_effects() -> None:
-    code = ("import os, sys; before = dict(os.environ); import pytest_smolvm.backends.smol, "
-            "pytest_smolvm.probe, pytest_smolvm.doctor; "
+    code = ("import os, sys; before = dict(os.environ); import pytest_smolvm.backends.smol.backend, "
+            "pytest_smolvm.backends.smol.probe, pytest_smolvm.backends.smol.doctor; "
             "assert 'smol' not in sys.modules, 'smol was imported'; "
             "assert dict(os.environ) == before, 'os.environ changed'")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMOLVM_")}
@@ -335,7 +335,7 @@ def test_importing_the_smol_backend_has_no_side_effects() -> None:
 
 def test_cloud_target_without_a_key_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch,
                                                         tmp_path: Path) -> None:
-    from pytest_smolvm.backends.smol import SmolBackend
+    from pytest_smolvm.backends.smol.backend import SmolBackend
 
     monkeypatch.delenv("SMOL_CLOUD_TOKEN", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -347,7 +347,7 @@ def test_cloud_target_without_a_key_says_how_to_get_one(monkeypatch: pytest.Monk
 
 
 def test_cloud_key_is_found_in_the_cli_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from pytest_smolvm.backends.smol import cloud_token_source
+    from pytest_smolvm.backends.smol.backend import cloud_token_source
 
     monkeypatch.delenv("SMOL_CLOUD_TOKEN", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
@@ -363,8 +363,8 @@ def test_cloud_key_is_found_in_the_cli_config(monkeypatch: pytest.MonkeyPatch, t
 
 def test_deleting_a_machine_that_never_existed_is_not_an_error() -> None:
     pytest.importorskip("smol")
-    from pytest_smolvm.backends.smol import destroy_recorded, list_owned
-    from pytest_smolvm.smol_sdk import vm_data_dir
+    from pytest_smolvm.backends.smol.backend import destroy_recorded, list_owned
+    from pytest_smolvm.backends.smol.sdk import vm_data_dir
 
     name = f"pytest-smolvm-never-{uuid.uuid4().hex[:12]}"
     destroy_recorded({"name": name, "target": "local"})

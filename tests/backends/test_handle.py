@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pytest_smolvm.errors import GuestUserError
-from pytest_smolvm.vm import DEFAULT_READ_LIMIT, VM
+from pytest_smolvm.handle.vm import DEFAULT_READ_LIMIT, VM
 from tests.backends.conftest import MakeGuest
 
 AGENT_UID = 1234

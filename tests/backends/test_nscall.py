@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from pytest_smolvm.backends._nscall import _Call
+from pytest_smolvm.backends.namespace.channel import _Call
 
 
 def _call() -> _Call:

@@ -1,18 +1,20 @@
-"""The namespace backend's guest helper (``_nsguest.py``), loaded as the backend loads it."""
+"""The namespace backend's guest helper (``backends/namespace/helper/``), loaded as the backend loads it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from pytest_smolvm.backends.namespace import HELPER_ENV, helper_code
+from pytest_smolvm.backends.namespace.backend import HELPER_ENV, helper_code
 
-# Load the helper's code from stdin, as namespace.Zygote does, but under a name that is not
-# "__main__" (its main block does not run); then say which of the modules that register
+# Load the helper's modules from stdin, as namespace.Zygote does, but without running the
+# zygote's main(); then say which of the modules that register
 # at-fork hooks it has imported.
 LOAD_AND_REPORT = (
-    "import sys, marshal; g = {'__name__': '_nsguest'}; exec(marshal.loads(sys.stdin.buffer.read()), g); "
-    "g['_preload'](); "
+    "import sys, marshal, types\n"
+    "for n, c in marshal.loads(sys.stdin.buffer.read()):\n"
+    "    m = types.ModuleType(n); sys.modules[n] = m; exec(c, m.__dict__)\n"
+    "m._preload()\n"
     "print(sorted(m for m in ('threading', 'random', 'multiprocessing', 'concurrent.futures') if m in sys.modules))"
 )
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.backends import Guest, VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend
-from pytest_smolvm.baseline import Baseline, resolve
-from pytest_smolvm.vm import VM
+from pytest_smolvm.backends.base import Guest, VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.baselines.baseline import Baseline, resolve
+from pytest_smolvm.handle.vm import VM
 from tests import tools
 from tests.leaks import assert_host_clean
 

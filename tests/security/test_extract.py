@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import confined, hostfs
-from pytest_smolvm.baseline import apply_layer
+from pytest_smolvm.baselines.baseline import apply_layer
 from pytest_smolvm.errors import UsageError
+from pytest_smolvm.untrusted import confined, hostfs
 
 PAYLOAD = "payload"
 

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import registry
-from pytest_smolvm.backends import DEFAULT_DISK_MB, VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
-from pytest_smolvm.baseline import Baseline, apply_layer, tree_digest
+from pytest_smolvm.backends.base import DEFAULT_DISK_MB, VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
+from pytest_smolvm.baselines.baseline import Baseline, apply_layer, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
+from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.host import registry
 from pytest_smolvm.limits import DEFAULT_MEMORY_MB
-from pytest_smolvm.vm import VM
 from tests.security.conftest import HOST_SECRET_VAR
 
 ROOT = os.geteuid() == 0
@@ -516,7 +516,7 @@ def _host_pids(args: list[bytes]) -> list[int]:
 
 
 def test_relax_rejects_unknown_parts() -> None:
-    from pytest_smolvm.settings import MarkerSpec
+    from pytest_smolvm.session.settings import MarkerSpec
 
     with pytest.raises(UsageError, match="unknown part 'network'"):
         MarkerSpec().merged({"relax": ["network"]}, "@pytest.mark.smol")
@@ -524,7 +524,7 @@ def test_relax_rejects_unknown_parts() -> None:
 
 
 def test_missing_libseccomp_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_smolvm import seccomp
+    from pytest_smolvm.backends.namespace import seccomp
     from pytest_smolvm.errors import ProvisionError
 
     seccomp.guest_filter.cache_clear()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.inert import inert
+from pytest_smolvm.untrusted.inert import inert
 
 # An OSC 52 clipboard write, a clear screen and a C1 CSI (0x9b): what a hostile guest prints.
 ATTACK = r"printf '\033]52;c;c3RlYWw=\a\033[2J\302\23331mred\n'"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_smolvm.backends.smol_guest import SmolGuest
+from pytest_smolvm.backends.smol.guest import SmolGuest
 
 
 class _GrownAfterTheTrim:

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm import hostfs, paths
-from pytest_smolvm.aio import AsyncVM
-from pytest_smolvm.baseline import Baseline, apply_layer
+from pytest_smolvm.baselines.baseline import Baseline, apply_layer
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.vm import VM
+from pytest_smolvm.handle.aio import AsyncVM
+from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.host import paths
+from pytest_smolvm.untrusted import hostfs
 
 PAYLOAD = "payload"
 
@@ -236,7 +237,8 @@ def test_async_copy_out_takes_the_same_limits() -> None:
 _ESCAPE = """
 import os, socket, sys
 sys.path[:0] = sys.argv[1].split(":")
-from pytest_smolvm import confined, hostfs
+from pytest_smolvm.untrusted import confined
+from pytest_smolvm.untrusted import hostfs
 try:
     import pyseccomp
 except ImportError:
@@ -268,7 +270,7 @@ def test_the_helper_reaches_nothing_but_its_destination(tmp_path: Path, canary: 
     import subprocess
     import sys
 
-    from pytest_smolvm import confined
+    from pytest_smolvm.untrusted import confined
 
     dest = tmp_path / "dest"
     dest.mkdir()
@@ -284,7 +286,7 @@ def test_collected_paths_nested_under_one_another_replace_not_nest(vm: VM, tmp_p
     inside the earlier copy's tree; a link the guest put there is replaced, not followed."""
     import types
 
-    from pytest_smolvm.artifacts import _copy_out
+    from pytest_smolvm.plugin.artifacts import _copy_out
 
     vm.exec("mkdir -p /a/b && echo f > /a/b/f && ln -s b /a/link", check=True)
     live = types.SimpleNamespace(vm=vm)

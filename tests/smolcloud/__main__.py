@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from pytest_smolvm.baseline import Baseline, bundled_rootfs_tarball, file_digest, resolve
+from pytest_smolvm.baselines.baseline import Baseline, bundled_rootfs_tarball, file_digest, resolve
 from pytest_smolvm.errors import UsageError
 from tests.smolcloud.faults import Fault, Faults, parse_fault
 from tests.smolcloud.machines import Store

@@ -25,9 +25,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.backends import Cancel, OutputCallback, VMSpec
-from pytest_smolvm.backends.namespace import NamespaceBackend, NamespaceGuest
-from pytest_smolvm.baseline import Baseline, apply_layer, force_rmtree
+from pytest_smolvm.backends.base import Cancel, OutputCallback, VMSpec
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
+from pytest_smolvm.baselines.baseline import Baseline, apply_layer, force_rmtree
 from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError, SmolVMError
 from tests.smolcloud import wire
 from tests.smolcloud.faults import Faults

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from pytest_smolvm.backends import Cancel
+from pytest_smolvm.backends.base import Cancel
 from tests.smolcloud import wire
 from tests.smolcloud.machines import Machine, Store, iso
 

@@ -1,0 +1,223 @@
+"""The guest's pid 1: serves exec and file requests, reaps orphans, exits with its owner.
+
+Part of the namespace backend's helper (see ``__init__``): standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+from typing import Any
+
+# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
+# root once we are inside it. Never load guest-provided code into a privileged process.
+from pytest_smolvm.backends.namespace.helper.kernel import KILL_PASSES, SIGNAL_EXIT_BASE, _recv
+from pytest_smolvm.backends.namespace.helper.requests import (
+    FILE_OPS,
+    STATUS_FD,
+    UserError,
+    _become,
+    _error,
+    _exec,
+    _read_body,
+    _report,
+    _spawn_vpe,
+)
+
+
+class Init:
+    """pid 1 of one guest: serves requests from the host and reaps every orphan.
+
+    Every request that starts a guest process brings its own fds: stdin, stdout, stderr and a
+    *status* socket. The init reports on that socket only ({"pid"}, then {"exit"}, or an
+    {"error"}), so requests never share a reply channel and the host can run any number of
+    them at once. A request too big for one control message comes as a memfd (``body``).
+    """
+
+    def __init__(self, ctl: socket.socket) -> None:
+        self.ctl = ctl
+        self.children: dict[int, int] = {}  # pid -> that request's status fd
+        self.keep = False
+        rfd, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.wake_r = rfd
+        signal.set_wakeup_fd(self.wake_w)
+        # SIGPIPE and SIGINT are caught by a no-op rather than ignored (Python and the zygote
+        # ignore them) only so that execve gives spawned commands their default dispositions,
+        # as the forked child that used to start them reset them. For this process it is the
+        # same: nothing happens, and a write to a closed socket still fails with EPIPE.
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+
+    def serve(self) -> None:
+        poller = select.poll()
+        poller.register(self.ctl, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        while True:
+            for fd, events in poller.poll():
+                if fd == self.wake_r:
+                    try:
+                        os.read(self.wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    self.reap()
+                elif events & (select.POLLHUP | select.POLLERR) and not events & select.POLLIN:
+                    self.owner_gone()
+                    poller.unregister(self.ctl)
+                else:
+                    try:
+                        message, fds = _recv(self.ctl)
+                    except OSError:
+                        message, fds = None, []
+                    if message is None:
+                        self.owner_gone()
+                        poller.unregister(self.ctl)
+                    else:
+                        self.handle_safely(message, fds)
+            self.reap()
+
+    def owner_gone(self) -> None:
+        if not self.keep:
+            os._exit(0)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            status_fd = self.children.pop(pid, None)
+            if status_fd is not None:
+                code = os.waitstatus_to_exitcode(status)
+                if code < 0:
+                    code = SIGNAL_EXIT_BASE - code
+                _report(status_fd, {"exit": code})
+                os.close(status_fd)
+
+    def handle_safely(self, message: dict[str, Any], fds: list[int]) -> None:
+        """pid 1 must outlive any one malformed request: its death would end the guest."""
+        try:
+            if message.get("body"):
+                body_fd = fds.pop()
+                try:
+                    message = json.loads(_read_body(body_fd))
+                finally:
+                    os.close(body_fd)
+            self.handle(message, fds)
+        except Exception as exc:
+            if len(fds) > 3:
+                error = (_error(exc, None, str(message.get("op"))) if isinstance(exc, OSError)  # fork: EAGAIN
+                         else {"message": f"bad request: {type(exc).__name__}: {exc}"})
+                _report(fds[3], {"error": error})
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        op = message.get("op")
+        if op == "kill":
+            if message["pid"] <= 1:  # 0 stands for "never started"; killpg(0) would hit our own group
+                return
+            # Repeat: a forking group (a fork bomb) can outrun a single pass of killpg.
+            for _ in range(KILL_PASSES):
+                try:
+                    os.killpg(message["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    break
+            return
+        if op == "keep":
+            self.keep = bool(message.get("keep", True))
+            _report(fds[0], {"ok": True})
+            os.close(fds[0])
+            return
+        if len(fds) != 4:
+            raise ValueError(f"{op} needs 4 fds (stdin, stdout, stderr, status), got {len(fds)}")
+        if op == "exec" and message.get("user") is None:
+            self.spawn(message, fds)
+            return
+        # A file operation, or an exec as another user: the child runs this file's Python
+        # code (user lookup, setuid, the operation) before anything else.
+        pid = os.fork()
+        if pid == 0:
+            self.run_child(message, fds)  # never returns
+        for fd in fds[:3]:
+            os.close(fd)
+        self.children[pid] = fds[3]
+        _report(fds[3], {"pid": pid})
+
+    def spawn(self, message: dict[str, Any], fds: list[int]) -> None:
+        """Start an exec request's command through posix_spawn (vfork + execve), not os.fork.
+
+        Why: os.fork() of this Python process copies its page tables, and then each side pays
+        a copy-on-write fault for every page it touches until the child's execve; on this
+        project's (paravirtualized) hosts that is ~2 ms per exec. posix_spawn uses vfork: no
+        copy, and no Python runs between the two (subprocess.Popen's Python, in a freshly
+        forked init, costs copy-on-write faults of its own). The command starts in a new
+        session (its pid is its process group, for timeouts), with default dispositions for
+        the signals this process catches or ignores, fds 0/1/2 from the request and no other
+        fd (every fd of this process is close-on-exec), the cwd, and execvpe's PATH search
+        over the request's env. A failed chdir or execve is reported on the status socket
+        with its errno.
+        """
+        argv, env = message["argv"], message["env"]
+        cwd = message.get("cwd") or "/"
+        status_fd = fds[3]
+        try:
+            # The chdir happens here, not through Popen(cwd=): then every OSError Popen
+            # raises is execve's, and a bad workdir is reported as the workdir's error.
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                self.spawn_failed(fds, _error(exc, cwd, "workdir"))
+                return
+            try:
+                pid = _spawn_vpe(argv, env, fds[:3])
+            except OSError as exc:
+                self.spawn_failed(fds, _error(exc, argv[0], "exec"))
+                return
+        finally:
+            os.chdir("/")
+        for fd in fds[:3]:
+            os.close(fd)
+        self.children[pid] = status_fd
+        _report(status_fd, {"pid": pid})
+
+    def spawn_failed(self, fds: list[int], error: dict[str, Any]) -> None:
+        _report(fds[3], {"error": error})  # no process: no pid, no exit
+        for fd in fds:
+            os.close(fd)
+
+    def run_child(self, message: dict[str, Any], fds: list[int]) -> None:
+        code = 1
+        try:
+            os.setsid()
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            for target, fd in enumerate(fds[:3]):
+                os.dup2(fd, target)
+            os.dup2(fds[3], STATUS_FD, inheritable=False)  # closed by a successful execve
+            os.closerange(STATUS_FD + 1, 65536)
+            if message.get("user") is not None:
+                _become(message)
+            if message["op"] == "exec":
+                _exec(message)
+            code = FILE_OPS[message["op"]](message)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        except UserError as exc:
+            _report(STATUS_FD, {"error": {"user": str(exc)}})
+        except OSError as exc:
+            _report(STATUS_FD, {"error": _error(exc, message.get("path"), message["op"])})
+        except BaseException as exc:  # report anything to the host, never crash pid 1's loop
+            try:
+                os.write(2, f"{type(exc).__name__}: {exc}\n".encode(errors="replace"))
+            except OSError:
+                pass
+        os._exit(code)

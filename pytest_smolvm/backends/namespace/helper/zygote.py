@@ -1,0 +1,260 @@
+"""The per-pytest-process helper that forks guests on request and cleans up after its owner.
+
+Part of the namespace backend's helper (see ``__init__``): standard library only.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
+# root once we are inside it. Never load guest-provided code into a privileged process.
+from pytest_smolvm.backends.namespace.helper.kernel import (
+    CLONE_NEWPID,
+    JANITOR_WAIT,
+    PR_SET_CHILD_SUBREAPER,
+    _check,
+    _libc,
+    _prctl,
+    _recv,
+    _send,
+    _unshare,
+)
+from pytest_smolvm.backends.namespace.helper.setup import _setup_guest
+
+
+class _Creating:
+    """A guest whose setup process is at work: the zygote serves other requests meanwhile."""
+
+    def __init__(self, req: dict[str, Any], own_pid_ns: int) -> None:
+        self.id = req.get("id")
+        self.janitor = _janitor(req, [os.path.dirname(p) for p in req["cgroup_procs"]])
+        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        one_fork = not req["userns"]
+        pid = -1
+        try:
+            if one_fork:
+                _unshare(CLONE_NEWPID)  # for our next child only: it starts as the guest's pid 1
+            pid = os.fork()
+        finally:
+            if one_fork and pid != 0:
+                # Back to our own pid namespace for children (the next unshare(CLONE_NEWPID)
+                # needs it), whether the fork worked or not; never in the child, the guest's pid 1.
+                _check(_libc.setns(ctypes.c_int(own_pid_ns), ctypes.c_int(CLONE_NEWPID)), "setns")
+            if pid != 0:
+                os.close(report_w)
+                guest_end.close()
+                if pid < 0:
+                    os.close(report_r)
+                    host_end.close()
+        if pid == 0:
+            os.close(report_r)
+            host_end.close()
+            _setup_guest(req, guest_end, report_w)
+        self.pid, self.report_r, self.host_end, self.raw = pid, report_r, host_end, b""
+
+    def read(self) -> tuple[dict[str, Any], list[int]] | None:
+        """Read what the setup process reported so far; the reply once it is all there.
+
+        The reply comes as soon as the guest has reported, without waiting for a setup process
+        to exit: tearing down its copy of our address space takes ~1 ms here, and the host need
+        not wait for that. The zygote's loop reaps it (_reap_children) like any other child.
+        """
+        chunk = os.read(self.report_r, 1 << 16)
+        self.raw += chunk
+        reply: dict[str, Any] | None = None
+        if chunk:
+            try:
+                reply = json.loads(self.raw)  # a prefix of a JSON object never parses: wait for the rest
+            except ValueError:
+                return None
+        os.close(self.report_r)
+        if reply is None:
+            reply = {"error": self.raw.decode(errors="replace") if self.raw else "guest setup died without a word"}
+        if "error" in reply:
+            with contextlib.suppress(ChildProcessError):  # reaped already by the zygote's loop
+                os.waitpid(self.pid, 0)  # it exits right after reporting; then its cgroup can go
+            self.host_end.close()
+            return reply, []
+        reply.setdefault("pid", self.pid)
+        reply.pop("ok", None)
+        return reply, [self.host_end.detach()]
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, dict[str, Any]], owner: int) -> None:
+    """The pytest process that owned these guests is gone: remove what their destroy would have.
+
+    Runs when our socket to that process reaches EOF: a clean close (all guests were destroyed
+    already, so this finds nothing) or a crash (SIGKILL, os._exit, a pytest-timeout thread
+    timeout). A guest's init exits by itself when its own socket closes; we wait for that, then
+    take away its scratch dir, cgroups and registry record. A kept guest keeps all three.
+    ``expected`` guests were announced but never asked for (the owner died in between): no
+    process, only what the owner had made for them so far.
+    """
+    deadline = time.monotonic() + JANITOR_WAIT
+    for pid, guest in [*guests.items(), *((None, guest) for guest in expected.values())]:
+        record_path = os.path.join(guest["state"], "registry", f"{guest['name']}.json")
+        try:
+            with open(record_path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = None
+        if record is not None and (record.get("kept") or record.get("data", {}).get("pid") not in (None, pid)):
+            continue
+        while pid is not None and time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid  # not (or no longer) our child: reaped already
+            if done == pid:
+                break
+            time.sleep(0.005)
+        else:
+            if pid is not None:
+                continue  # still running: leave it to 'pytest-smolvm reap'
+        removed_all = True
+        for path in [*guest["cgroups"], guest["scratch"]]:
+            for _ in range(200):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)  # a cgroup stays busy for a moment after its last task
+            else:
+                removed_all = False
+        if removed_all:  # otherwise the record stays for 'pytest-smolvm reap'
+            # With any save the owner was killed in the middle of (registry.Record.save's temp file).
+            partial = os.path.join(guest["state"], "registry", f".{guest['name']}.{owner}.tmp")
+            for path in ([record_path] if record is not None else []) + [partial]:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def zygote(sock: socket.socket) -> None:
+    """Serve the owner's requests; guests are set up concurrently, each reply sent when ready.
+
+    Creates overlap: the zygote forks a guest's setup process and goes back to its socket, so
+    a pytest process that makes guests ahead keeps both cores busy with setups, not one.
+    """
+    owner = os.getppid()  # read now: once the owner is dead, our parent is someone else
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group; the host decides
+    guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
+    expected: dict[str, dict[str, Any]] = {}  # guest name -> what to remove if our owner dies before its create
+    creating: dict[int, _Creating] = {}  # report pipe -> a guest being set up
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    owner_gone = False
+    while not owner_gone or creating:
+        _reap_children()
+        for fd, _events in poller.poll():
+            if fd in creating:
+                done = creating[fd].read()
+                if done is not None:
+                    poller.unregister(fd)
+                    _reply(sock, creating.pop(fd), *done, guests)
+                continue
+            try:
+                message, fds = _recv(sock)
+            except InterruptedError:
+                continue
+            except OSError:
+                message, fds = None, []
+            if message is None:
+                # Our owner closed the socket or died: the one moment nobody else will clean up.
+                # Guests still being set up are finished first, so that they are cleaned too.
+                owner_gone = True
+                poller.unregister(sock)
+                continue
+            for fd_ in fds:
+                os.close(fd_)
+            try:
+                if message["op"] == "expect":  # no reply: the owner does not wait
+                    expected[str(message["name"])] = _janitor(message, [str(d) for d in message["cgroups"]])
+                    continue
+                if message["op"] == "create":
+                    expected.pop(str(message["name"]), None)
+                    job = _Creating(message, own_pid_ns)
+                    creating[job.report_r] = job
+                    poller.register(job.report_r, select.POLLIN)
+                    continue
+                if message["op"] == "ping":
+                    reply: dict[str, Any] = {"ok": True}
+                else:
+                    reply = {"error": f"unknown op {message['op']!r}"}
+            except Exception as exc:  # the zygote must outlive any one failed request
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            reply["id"] = message.get("id")
+            with contextlib.suppress(OSError):
+                _send(sock, reply)
+    _clean_after_owner(guests, expected, owner)
+
+
+def _janitor(req: dict[str, Any], cgroup_dirs: list[str]) -> dict[str, Any]:
+    """What to remove for a guest if our owner dies: taken before the guest exists, so that a
+    bad request fails here, never with a live guest whose socket nobody holds."""
+    return {"name": str(req["name"]), "scratch": str(req["scratch"]), "state": str(req["state"]),
+            "cgroups": cgroup_dirs}
+
+
+def _reply(sock: socket.socket, job: _Creating, reply: dict[str, Any], out_fds: list[int],
+           guests: dict[int, dict[str, Any]]) -> None:
+    if "pid" in reply:
+        guests[int(reply["pid"])] = job.janitor
+    reply["id"] = job.id
+    try:
+        _send(sock, reply, out_fds)
+    except OSError:
+        pass  # our owner died while we worked (a guest made ahead): cleaned after the loop
+    for fd in out_fds:
+        os.close(fd)
+
+
+def _preload() -> None:
+    """Import now what guest-side code imports lazily later, when host paths are gone."""
+    import fcntl  # noqa: F401
+
+    b"".decode("utf-8", "replace")
+    array.array("i")
+
+
+def _shed_boot_memory() -> None:
+    """Give back the heap that compiling this file left behind: every guest's fork copies the
+    page tables of what this process holds, and its exit unmaps them (~0.1 ms a fork here)."""
+    gc.collect()
+    trim = getattr(_libc, "malloc_trim", None)  # glibc's; other C libraries may not have it
+    if trim is not None:
+        trim(ctypes.c_size_t(0))
+
+
+def main() -> None:
+    # argv (see namespace.Zygote): "-c" "_nsguest.py" FD TAG; the tag only marks whose helper this is.
+    _preload()
+    _shed_boot_memory()
+    zygote(socket.socket(fileno=int(sys.argv[2])))

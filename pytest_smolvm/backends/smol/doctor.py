@@ -1,0 +1,297 @@
+"""``pytest-smolvm doctor``: can this host boot microVMs, which backend would run, and the fix.
+
+Every check prints one line with a verdict; every problem is followed by what to do about it
+in plain words. The probe is re-run uncached, and its answer replaces the one pytest runs use.
+
+Exit codes, for scripts (docs/configuration.md):
+
+- 0: guests run on this host: a microVM boots, or, where none does (no KVM, a PVM host), the
+  namespace backend runs them instead, which is the expected outcome on such a host;
+- 1: no backend can run a guest here;
+- 3: ``--require-microvm`` was given and no microVM boots here (the namespace backend may run).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import platform
+import pwd
+import stat
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from pytest_smolvm.backends.base import ProbeResult
+from pytest_smolvm.backends.smol import probe as probe_mod
+from pytest_smolvm.backends.smol.probe import pvm_evidence
+from pytest_smolvm.session.plan import select_backend
+
+# The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
+PER_VM_UID_BASE = 2_000_000
+
+
+EXIT_GUESTS_RUN = 0
+EXIT_NO_BACKEND = 1
+EXIT_NO_MICROVM = 3
+WIDTH = 100
+INDENT = " " * 7
+
+
+@dataclass
+class Report:
+    out: TextIO
+    fixes: list[str] = field(default_factory=list)
+
+    def line(self, status: str, what: str, detail: str = "") -> None:
+        text = f"[{status:>4}] {what}{': ' + detail if detail else ''}"
+        self.out.write(textwrap.fill(text, WIDTH, subsequent_indent=INDENT, break_on_hyphens=False) + "\n")
+
+    def say(self, text: str) -> None:
+        self.out.write(textwrap.fill(text, WIDTH, initial_indent=INDENT, subsequent_indent=INDENT,
+                                     break_on_hyphens=False) + "\n")
+
+    def fix(self, text: str, *, first: bool = False) -> None:
+        """Record a fix for the summary; ``first`` puts it ahead of the others (it must come first)."""
+        if text not in self.fixes:
+            self.fixes.insert(0, text) if first else self.fixes.append(text)
+
+
+@dataclass(frozen=True)
+class KvmFacts:
+    exists: bool
+    mode: int = 0
+    owner: str = ""
+    group: str = ""
+    caller_can_open: bool = False
+    per_vm_uid: str = "no"  # "yes", "maybe" (through the group, if the engine passes it on) or "no"
+
+
+def kvm_facts(path: str = "/dev/kvm") -> KvmFacts:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return KvmFacts(False)
+    mode = stat.S_IMODE(st.st_mode)
+    # A per-VM uid owns nothing, so the owner bits never count for it. smolmachines' own hint
+    # for EACCES is "usermod -aG kvm", so it appears to hand the caller's membership of the
+    # device's group on to the VMM; that is a "maybe" we cannot check without a boot.
+    if mode & 0o006 == 0o006:
+        per_vm = "yes"
+    elif mode & 0o060 == 0o060 and st.st_gid != 0 and st.st_gid in (os.getgid(), *os.getgroups()):
+        per_vm = "maybe"
+    else:
+        per_vm = "no"
+    return KvmFacts(True, mode, _user_name(st.st_uid), _group_name(st.st_gid),
+                    os.access(path, os.R_OK | os.W_OK), per_vm)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _check_platform(report: Report) -> None:
+    report.line("info", "host", f"{platform.system()} {platform.release()} {platform.machine()}, "
+                                f"Python {platform.python_version()}")
+
+
+def _check_smolmachines(report: Report) -> bool:
+    installed = probe_mod.smolmachines_version()
+    if installed is None:
+        report.line("FAIL", "smolmachines", "not installed")
+        report.fix("pip install smolmachines (the smol backend and the bundled Alpine baseline come with it)")
+        return False
+    report.line("ok", "smolmachines", installed)
+    return True
+
+
+KVM_ACCESS_FIX = (
+    "let the VMM's own uid open /dev/kvm: either give /dev/kvm to a kvm group with mode 0660 and join it "
+    "(sudo groupadd -f kvm; sudo usermod -aG kvm $USER; log in again), or make it mode 0666; to keep that "
+    "across reboots add the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0666\" to "
+    "/etc/udev/rules.d/65-kvm.rules and run sudo udevadm control --reload && sudo udevadm trigger. "
+    "Or set SMOLVM_VM_UID_DROP=off so each VMM runs as your uid (weaker isolation between VMs)")
+
+
+def _check_kvm(report: Report) -> KvmFacts | None:
+    if sys.platform == "darwin":
+        report.line("info", "hypervisor", "macOS: smolmachines uses Hypervisor.framework (Apple Silicon)")
+        return None
+    facts = kvm_facts()
+    if not facts.exists:
+        report.line("FAIL", "/dev/kvm", "missing")
+        report.fix("enable hardware virtualisation (VT-x/AMD-V) in the firmware and load kvm_intel or "
+                   "kvm_amd; inside a cloud VM pick an instance type with nested virtualisation; "
+                   "or run on smol cloud with --smol-target=cloud")
+        return facts
+    can = "can" if facts.caller_can_open else "cannot"
+    you = _user_name(os.geteuid())
+    report.line("ok" if facts.caller_can_open else "FAIL", "/dev/kvm",
+                f"{facts.owner}:{facts.group} mode {facts.mode:04o}; you ({you}) {can} open it")
+    if not facts.caller_can_open:
+        report.fix(f"join the {facts.group} group (sudo usermod -aG {facts.group} $USER) and log in again")
+    if os.environ.get("SMOLVM_VM_UID_DROP") == "off":
+        report.line("info", "per-VM uid", "off (SMOLVM_VM_UID_DROP=off): each VMM runs as you")
+        return facts
+    verdict = {"yes": "can", "maybe": "probably can (through the group)", "no": "cannot"}[facts.per_vm_uid]
+    report.line("ok" if facts.per_vm_uid == "yes" else "warn", "per-VM uid",
+                f"smolmachines' VMM drops to a uid of its own (about {PER_VM_UID_BASE} and up) before "
+                f"it opens /dev/kvm; with {facts.owner}:{facts.group} {facts.mode:04o} that uid {verdict} "
+                "open it")
+    if facts.per_vm_uid == "no":
+        report.fix(KVM_ACCESS_FIX)
+    return facts
+
+
+def _check_pvm(report: Report) -> str | None:
+    evidence = pvm_evidence()
+    if evidence is None:
+        report.line("ok", "KVM flavour", "no sign of PVM")
+        return None
+    report.line("warn", "KVM flavour", f"this looks like a PVM host: {evidence}")
+    report.say("PVM (pagetable-based virtual machines) lets a cloud VM run guests without nested "
+               "virtualisation, but only guest kernels built for PVM boot on it. The kernel bundled in "
+               "smolmachines is not one, so its guests hang at boot here even once /dev/kvm opens.")
+    report.fix("PVM host: run microVMs on a host with real KVM (bare metal, or a cloud VM with nested "
+               "virtualisation), or on smol cloud with --smol-target=cloud. Fixing /dev/kvm access alone "
+               "will not make guests boot here; the namespace backend runs instead.", first=True)
+    return evidence
+
+
+def _check_boot(report: Report) -> probe_mod.BootReport:
+    limit = probe_mod.probe_timeout()
+    report.say(f"booting a bare microVM (at most {limit:g}s; set {probe_mod.TIMEOUT_ENV} to change that) ...")
+    report.out.flush()
+    result = probe_mod.boot(limit)
+    if result.available:
+        report.line("ok", "microVM boot", result.reason)
+    else:
+        report.line("FAIL", "microVM boot", f"failed after {result.elapsed:.1f}s: {result.reason}")
+    return result
+
+
+def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: KvmFacts | None,
+                          pvm: str | None) -> list[str]:
+    """Say why the boot failed; returns the causes in plain words for the verdict."""
+    causes = []
+    reason = result.reason
+    if probe_mod.is_kvm_access_denied(reason):
+        report.say("why: the VMM could not open /dev/kvm (EACCES). smolmachines drops each VMM to an "
+                   "unprivileged uid of its own, so it does not help that you can open /dev/kvm: that uid "
+                   "must be able to.")
+        report.fix(KVM_ACCESS_FIX)
+        causes.append("the microVM monitor, which runs as a uid of its own, may not open /dev/kvm")
+    elif result.timed_out and pvm:
+        report.say("why: the guest kernel hangs at boot on this PVM host (see above).")
+    elif result.timed_out:
+        causes.append(f"the boot did not finish within {probe_mod.probe_timeout():g}s")
+        report.say("why: the engine or the guest kernel stalled. On first use the engine also unpacks its "
+                   "36 MB guest rootfs, which can take longer than the probe allows.")
+        report.fix(f"run the doctor again; if it still stalls, raise {probe_mod.TIMEOUT_ENV} or read "
+                   "agent-startup-error.log under ~/.cache/smolvm/vms/")
+    elif kvm is not None and not kvm.exists:
+        causes.append("this host has no /dev/kvm")
+    else:
+        causes.append("the engine refused to boot (see the reason)")
+        report.fix("see the boot error above; the engine's per-VM logs are under ~/.cache/smolvm/vms/")
+    if pvm:
+        causes.append("this is a PVM host, where smolmachines' guest kernel cannot boot")
+    return causes
+
+
+def _check_cloud(report: Report) -> None:
+    from pytest_smolvm.backends.smol.backend import cloud_token_source
+
+    source = cloud_token_source()
+    if source is None:
+        report.line("info", "smol cloud", "no API key (SMOL_CLOUD_TOKEN is unset and the smol CLI is not "
+                                          "logged in); for --smol-target=cloud set SMOL_CLOUD_TOKEN or run "
+                                          "'smol auth login'")
+    else:
+        report.line("ok", "smol cloud", f"an API key is configured (from {source}); "
+                                        "--smol-target=cloud can run")
+
+
+def _check_selection(report: Report, boot_result: probe_mod.BootReport) -> bool:
+    """Say which backend ``auto`` picks; whether any backend can run a guest here."""
+    verdict = ProbeResult(boot_result.available, boot_result.reason)
+    try:
+        selection = select_backend("auto", "local", probe=lambda: verdict)
+    except Exception as exc:  # the report must finish whatever select_backend thinks of this host
+        report.line("FAIL", "--smol-backend=auto", str(exc))
+        return False
+    if selection.name == "smol":
+        report.line("ok", "--smol-backend=auto", "would use smol: a microVM per test")
+        return True
+    from pytest_smolvm.backends import backend_class
+
+    usable = backend_class(selection.name).probe()
+    if not usable.available:
+        report.line("FAIL", f"--smol-backend={selection.name}", f"cannot run here either: {usable.reason}")
+        report.fix("run as root, or enable unprivileged user namespaces (sysctl -w "
+                   "kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000), so that the "
+                   "namespace backend can run guests")
+        return False
+    report.line("warn", "--smol-backend=auto",
+                f"would use {selection.name}, because no microVM boots here. Namespace guests share "
+                "the host kernel: clean state for every test, but no security boundary against "
+                "hostile guest code.")
+    return True
+
+
+def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
+    """Print the diagnosis to ``out``; the exit code as the module docstring says."""
+    report = Report(out)
+    out.write("pytest-smolvm doctor\n")
+    _check_platform(report)
+    has_smol = _check_smolmachines(report)
+    kvm = _check_kvm(report)
+    pvm = _check_pvm(report) if sys.platform.startswith("linux") else None
+    if has_smol:
+        result = _check_boot(report)
+        probe_mod.remember(result)  # the next pytest run need not boot again
+    else:
+        result = probe_mod.BootReport(False, "smolmachines is not installed", 0.0)
+    causes = [] if result.available else _explain_boot_failure(report, result, kvm, pvm)
+    _check_cloud(report)
+    guests_run = _check_selection(report, result)
+    out.write("\n")
+    if result.available:
+        out.write("verdict: microVMs boot on this host; --smol-backend=auto uses the smol backend.\n")
+        return EXIT_GUESTS_RUN
+    out.write(textwrap.fill("verdict: no microVM boots on this host" + (": " + ", and ".join(causes) if causes
+                                                                         else "") + ".", WIDTH,
+                            subsequent_indent=INDENT) + "\n")
+    if guests_run:
+        out.write(textwrap.fill("Tests still get a fresh guest each: the namespace backend runs them (Linux "
+                                "namespaces over a copy-on-write copy of the baseline).", WIDTH,
+                                subsequent_indent=INDENT) + "\n")
+    report.say(f"reason: {result.reason}")
+    if report.fixes:
+        out.write("what to do:\n")
+        for i, text in enumerate(report.fixes, 1):
+            out.write(textwrap.fill(f"{i}. {text}", WIDTH, initial_indent="  ", subsequent_indent="     ",
+                                    break_on_hyphens=False) + "\n")
+    if not guests_run:
+        return EXIT_NO_BACKEND
+    return EXIT_NO_MICROVM if require_microvm else EXIT_GUESTS_RUN
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    return run_doctor(sys.stdout, require_microvm="--require-microvm" in args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,491 @@
+"""A smol machine as a Guest: exec, files, archives, logs, keep and delete through the SDK.
+
+``import smol`` mutates ``os.environ`` (it ``setdefault``s ``SMOLVM_SECCOMP`` and
+``SMOLVM_LANDLOCK``), so this module imports it only inside functions. Every SDK call passes
+``ConnectOptions(target=...)`` explicitly, because the SDK's own default silently switches to
+the (billed) cloud when ``SMOL_CLOUD_TOKEN`` is set.
+
+Exec output: on the cloud one SDK call carries it byte-exact (``ExecOptions(output="b64")``,
+the ``?output=b64`` query; transport.py:1231-1259). The local SDK hands output back already
+decoded as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each
+command's stdout/stderr go to files in the guest, trimmed there and read back with
+``read_file``. That also means a background process that keeps the command's stdout open
+can never hold a local exec open. A call with a user, live output or a cancel goes through
+``smol_handle.stream_exec`` on both targets.
+
+SDK behaviour the public API does not promise is used only through ``smol_sdk.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import posixpath
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
+from pytest_smolvm.backends.output import bounded
+from pytest_smolvm.backends.smol import handle as smol_handle
+from pytest_smolvm.backends.smol.common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
+from pytest_smolvm.backends.smol.sdk import exec_cancellable, remove_fork_lock, vm_data_dir
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.untrusted import hostfs
+
+if TYPE_CHECKING:
+    from smol import Machine
+
+# The agent kills a timed-out command itself; this host-side backstop only fires if it does not.
+EXEC_CANCEL_GRACE = 30.0
+LOG_FILES = ("agent-startup-error.log", "agent-console.log", "vmm-exit.json", "workload.log")
+LOG_TAIL_BYTES = 64 << 10
+# mkdir/tar/rm for file transfers: generous for big trees, but a wedged guest must not hang a test.
+PLUMBING_TIMEOUT = 600.0
+SCRATCH = "/tmp/.pytest-smolvm"  # per-guest exec plumbing files (one exec at a time per guest)
+# Runs the command with its output in files. Arguments: mode (run|trim), file prefix, output
+# limit, stdin file ("" for none), then argv. "trim" only shortens files a timed-out "run" left.
+# Oversized output keeps its head and tail; the dropped byte counts are printed for the host.
+_EXEC_SCRIPT = r"""
+mode=$1 p=$2 l=$3 i=$4; shift 4
+trim() {
+  s=$(( $(wc -c <"$1" 2>/dev/null || echo 0) ))
+  if [ "$s" -gt "$l" ]; then
+    h=$((l / 2))
+    { head -c "$h" "$1"; tail -c "$h" "$1"; } >"$1.t" && mv -f "$1.t" "$1"
+    printf ' %s' $((s - 2 * h))
+  else
+    printf ' 0'
+  fi
+}
+rc=0
+if [ "$mode" = run ]; then
+  rm -f "$p.out" "$p.err"
+  "$@" <"${i:-/dev/null}" >"$p.out" 2>"$p.err"
+  rc=$?
+fi
+[ -n "$i" ] && rm -f "$i"
+trim "$p.out"; trim "$p.err"
+exit $rc
+"""
+
+
+class SmolGuest:
+    """One live machine. ``owned=False`` for a source handed out to run baseline setup in."""
+
+    def __init__(self, machine: Machine, *, name: str, target: str, source: str | None,
+                 env: Mapping[str, str], owned: bool = True,
+                 on_release: Callable[[SmolGuest, bool], None] | None = None) -> None:
+        self.name = name
+        self._machine = machine
+        self._target = target
+        self._source = source
+        self._env = dict(env)
+        self._owned = owned
+        self._on_release = on_release  # tells the backend this guest is gone (False) or kept (True)
+        self.kept = False
+        self._lock = threading.Lock()
+        self._free_scratch: list[str] = []  # exec plumbing file prefixes no call is using (list ops are atomic)
+        self._destroyed = False
+        self._captured_logs: str | None = None
+
+    @property
+    def machine_id(self) -> str:
+        return self._machine.id
+
+    # ---------------------------------------------------------------- exec
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        smol_handle.check_arg_size(argv, {**self._env, **env})
+        try:
+            result = self._exec_any(argv, env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                                    output_limit=output_limit, user=user, on_output=on_output, cancel=cancel)
+        except GuestError as exc:
+            # The engine reports a workdir it cannot enter as a failed exec: say which.
+            refused = smol_handle.classify(self._raw_exec, workdir, "dir", user) if workdir else None
+            raise refused or exc from None
+        if result.exit_code in (126, 127) and not result.timed_out and not result.cancelled:
+            # Like subprocess: an argv whose program is missing or not executable raises. A
+            # shell string's argv[0] is /bin/sh, which is there: its 127/126 stay.
+            refused = smol_handle.program_error(self._raw_exec, argv[0], env={**self._env, **env},
+                                                workdir=workdir, user=user)
+            if refused is not None:
+                raise refused
+        return result
+
+    def _exec_any(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+                  stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None,
+                  on_output: OutputCallback | None, cancel: Cancel | None) -> GuestExecResult:
+        if user is not None or on_output is not None or cancel is not None:
+            full_env = {**self._env, **env}
+            if user is not None:
+                user, home = smol_handle.resolve_user(self._machine, user, self.name)
+                full_env = smol_handle.user_env(full_env, {*self._env, *env}, user, home)
+            result = smol_handle.stream_exec(
+                self._machine, self._raw_exec, argv, name=self.name, env=full_env, workdir=workdir, stdin=stdin,
+                timeout=timeout, output_limit=output_limit, user=user, on_output=on_output, cancel=cancel)
+        elif self._target == "cloud":
+            result = self._exec_cloud(list(argv), env=env, workdir=workdir, stdin=stdin, timeout=timeout,
+                                      output_limit=output_limit)
+        else:
+            scratch = self._take_scratch()  # calls from several threads each have their own files
+            try:
+                result = self._exec_locked(list(argv), env=env, workdir=workdir, stdin=stdin,
+                                           timeout=timeout, output_limit=output_limit, scratch=scratch)
+            finally:
+                self._free_scratch.append(scratch)
+        return result
+
+    def _take_scratch(self) -> str:
+        try:
+            return self._free_scratch.pop()
+        except IndexError:
+            return f"{SCRATCH}-{uuid.uuid4().hex[:12]}"
+
+    def _exec_cloud(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
+                    stdin: bytes | None, timeout: float | None, output_limit: int) -> GuestExecResult:
+        """One SDK call: byte-exact output as base64 (``?output=b64``), bounded here."""
+        from smol import ExecOptions, SmolError
+
+        text_stdin: str | None = None
+        if stdin:
+            try:
+                text_stdin = stdin.decode("utf-8")  # the SDK carries stdin as text only
+            except UnicodeDecodeError:
+                # Binary stdin goes in as a file the command reads (and removes) first.
+                staged = f"/tmp/.pytest-smolvm-stdin-{uuid.uuid4().hex[:12]}"
+                self._sdk_write(staged, stdin, 0o600)
+                argv = ["/bin/sh", "-c", 'exec <"$1" && rm -f -- "$1" && shift && exec "$@"', "sh", staged,
+                        *argv]
+        opts = ExecOptions(env={**self._env, **env} or None, workdir=workdir, timeout=timeout,
+                           stdin=text_stdin, output="b64")
+        started = time.monotonic()
+        try:
+            result = self._machine.exec(argv, opts)
+        except SmolError as exc:
+            if timeout is None or exc.code not in TIMEOUT_CODES:
+                raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
+            return GuestExecResult(TIMEOUT_EXIT, b"", b"", True)
+        elapsed = time.monotonic() - started
+        # The agent reports its own kill as 124 (or as the signal); a command may exit 124 by
+        # itself (`timeout(1)`), hence the clock.
+        timed_out = timeout is not None and result.exit_code in KILLED_EXITS and elapsed >= timeout
+        limit = max(int(output_limit), 2)
+        out, err = result.stdout_bytes, result.stderr_bytes
+        truncated = tuple(name for name, data in (("stdout", out), ("stderr", err)) if len(data) > limit)
+        return GuestExecResult(TIMEOUT_EXIT if timed_out else result.exit_code, bounded(out, limit),
+                               bounded(err, limit), timed_out, truncated)
+
+    def _exec_locked(self, argv: list[str], *, env: Mapping[str, str], workdir: str | None,
+                     stdin: bytes | None, timeout: float | None, output_limit: int,
+                     scratch: str = SCRATCH) -> GuestExecResult:
+        from smol import SmolError
+
+        stdin_path = ""
+        if stdin:
+            stdin_path = f"{scratch}.in"
+            self._sdk_write(stdin_path, stdin, None)
+        limit = max(int(output_limit), 2)
+        command = ["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "run", scratch, str(limit), stdin_path,
+                   *argv]
+        started = time.monotonic()
+        timed_out = False
+        exit_code = TIMEOUT_EXIT
+        report = ""
+        try:
+            result = self._raw_exec(command, env={**self._env, **env}, workdir=workdir, timeout=timeout)
+        except SmolError as exc:
+            if timeout is None or exc.code not in TIMEOUT_CODES:
+                raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
+            timed_out = True
+        else:
+            elapsed = time.monotonic() - started
+            exit_code = result.exit_code
+            report = result.stdout
+            # The agent reports its own kill as 124 (or as the signal); a command may exit 124 by
+            # itself (`timeout(1)`), hence the clock.
+            timed_out = timeout is not None and exit_code in KILLED_EXITS and elapsed >= timeout
+        if timed_out:
+            exit_code = TIMEOUT_EXIT
+            # The killed wrapper never shortened its files: do it now so a chatty command that
+            # ran until the deadline cannot send gigabytes back.
+            try:
+                trimmed = self._raw_exec(["/bin/sh", "-c", _EXEC_SCRIPT, "pytest-smolvm", "trim", scratch,
+                                          str(limit), stdin_path], env={}, workdir=None, timeout=60)
+                report = trimmed.stdout
+            except SmolError:
+                report = ""
+        dropped = [int(x) for x in report.split() if x.isdigit()][-2:] or [0, 0]
+        while len(dropped) < 2:
+            dropped.append(0)
+        stdout, cut_out = self._read_output(f"{scratch}.out", limit, dropped[0], required=not timed_out)
+        stderr, cut_err = self._read_output(f"{scratch}.err", limit, dropped[1], required=False)
+        truncated = tuple(stream for stream, cut in (("stdout", cut_out), ("stderr", cut_err)) if cut)
+        return GuestExecResult(exit_code, stdout, stderr, timed_out, truncated)
+
+    def _raw_exec(self, command: list[str], *, env: Mapping[str, str], workdir: str | None,
+                  timeout: float | None, user: str | None = None, stdin: str | None = None) -> Any:
+        """One SDK exec, with a host-side cancel in case the guest agent never enforces the timeout."""
+        from smol import ExecOptions
+
+        opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout, user=user, stdin=stdin)
+        if timeout is None:
+            return self._machine.exec(command, opts)
+        canceller, run = exec_cancellable(self._machine, command, opts)
+        if canceller is None or run is None:
+            return self._machine.exec(command, opts)
+        timer = threading.Timer(timeout + EXEC_CANCEL_GRACE, canceller.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            return run()
+        finally:
+            timer.cancel()
+
+    def _read_output(self, path: str, limit: int, dropped: int, *, required: bool) -> tuple[bytes, bool]:
+        """The output file, at most ``limit`` bytes, and whether it was cut."""
+        from smol import SmolError
+
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            if required and not _is_gone(exc):
+                raise GuestError(f"exec in {self.name}: could not read its output: {_describe(exc)}") from exc
+            return b"", False
+        if dropped or len(data) > limit:
+            # Bounded here whatever the in-guest trim reported: a process the command left behind
+            # may have grown the file after it.
+            return bounded(data, limit, dropped), True
+        return data, False
+
+    def _sh(self, script: str, *args: str, what: str, user: str | None = None) -> None:
+        """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
+        self._sh_output(script, *args, what=what, user=user)
+
+    # ---------------------------------------------------------------- files
+
+    def _sdk_write(self, path: str, data: bytes, mode: int | None) -> None:
+        from smol import SmolError
+
+        try:
+            self._machine.write_file(path, data, mode)
+        except SmolError as exc:
+            raise GuestError(f"write_file {path} in {self.name}: {_describe(exc)}") from exc
+
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+            smol_handle.write_as(self._raw_exec, path, data, mode, user=user, name=self.name)
+            return
+        parent = posixpath.dirname(path)
+        try:
+            if parent not in ("", "/"):
+                # The SDK's write_file does not create parent directories.
+                self._sh('mkdir -p -- "$1"', parent, what=f"write_file {path}: mkdir")
+            self._sdk_write(path, data, mode)
+        except GuestError as exc:
+            raise smol_handle.classify(self._raw_exec, path, "write", None) or exc from None
+
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
+        from smol import SmolError
+
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+            return smol_handle.read_as(self._raw_exec, path, user=user, max_bytes=max_bytes, name=self.name)
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            refused = smol_handle.classify(self._raw_exec, path, "read", None)
+            raise refused or GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
+        if max_bytes is not None and len(data) > max_bytes:  # the SDK reads whole files: checked after
+            raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes}", path)
+        return data
+
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        with tempfile.TemporaryFile() as spool:
+            produce(spool)
+            spool.seek(0)
+            data = spool.read()
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+        staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
+        self._sdk_write(staged, data, 0o600 if user is None else 0o644)  # the user's tar reads it
+        try:
+            self._sh('mkdir -p -- "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2"; exit $rc',
+                     guest_dir, staged, what=f"copy_in to {guest_dir}", user=user)
+        except GuestError as exc:
+            with contextlib.suppress(GuestError):
+                self._sh('rm -f -- "$1"', staged, what="copy_in cleanup")
+            raise smol_handle.classify(self._raw_exec, guest_dir, "write", user) or exc from None
+
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        """The guest's own tar of a directory, named relative to it (``./...``), which the host's
+        extractor places under ``arcname`` itself; a single file comes as one member the host
+        writes. Either way no host-side pass parses the guest's stream before hostfs does."""
+        if user is not None:
+            user, _home = smol_handle.resolve_user(self._machine, user, self.name)
+        normalized = posixpath.normpath(guest_path)
+        staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
+        try:
+            try:
+                # A member the user may not read fails tar as a whole: exit 13 says so.
+                kind = self._sh_output(
+                    'if [ -d "$2" ] && [ ! -L "$2" ]; then cd "$2" || exit 1; '
+                    'e=$(tar -cf "$1" . 2>&1) && { echo dir; exit 0; }; echo "$e" | tail -n 3 >&2; '
+                    'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1; '
+                    'elif [ -L "$2" ]; then echo link; readlink -- "$2"; '
+                    'elif [ -f "$2" ]; then echo file; stat -c "%a %s" -- "$2"; '
+                    'elif [ -e "$2" ]; then echo other; else echo "No such file or directory" >&2; exit 2; fi',
+                    staged, normalized, what=f"copy_out of {guest_path}", user=user)
+            except GuestError as exc:
+                refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
+                if refused is None and "Permission denied" in str(exc):
+                    refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
+                raise refused or exc from None
+            what, _, detail = kind.partition("\n")
+            if what == "dir":
+                data = self._read_bounded(staged, f"copy_out of {guest_path}")
+            elif what == "file":
+                mode, size = (int(field, 8 if i == 0 else 10) for i, field in enumerate(detail.split()[:2]))
+                data = _one_member(arcname, self._read_bounded(normalized, f"copy_out of {guest_path}",
+                                                              size), mode=mode)
+            elif what == "link":
+                data = _one_member(arcname, b"", link=detail.strip())  # judged by hostfs like any link
+            else:
+                raise GuestError(f"copy_out of {guest_path}: not a regular file, directory or symlink")
+        finally:
+            with contextlib.suppress(GuestError):
+                self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
+        consume(io.BytesIO(data))
+
+    def _read_bounded(self, path: str, what: str, size: int | None = None) -> bytes:
+        """A guest file read whole (the SDK has no ranged read), refused past copy_out's byte cap."""
+        from smol import SmolError
+
+        if size is not None and size > hostfs.DEFAULT_MAX_BYTES:
+            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        try:
+            data = self._machine.read_file(path)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if len(data) > hostfs.DEFAULT_MAX_BYTES + hostfs.HEADER_ALLOWANCE * 1024:
+            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        return bytes(data)
+
+    def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:
+        """:meth:`_sh`, returning the snippet's stdout."""
+        from smol import SmolError
+
+        try:
+            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
+                                    workdir=None, timeout=PLUMBING_TIMEOUT, user=user)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if result.exit_code != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
+        return str(result.stdout)
+
+    # ---------------------------------------------------------------- logs and lifetime
+
+    def logs(self) -> str:
+        if self._captured_logs is not None:
+            return self._captured_logs
+        return self._collect_logs()
+
+    def _collect_logs(self) -> str:
+        if self._target == "cloud":
+            from smol import SmolError
+
+            try:
+                return self._machine.logs(200)
+            except SmolError as exc:
+                return f"(smol cloud logs unavailable: {_describe(exc)})"
+        return read_local_logs(self.name)
+
+    def keep(self) -> None:
+        """Leave this guest alone at teardown (and so its source, which cannot go before it).
+
+        A local branch is still stopped by the SDK when this process exits: the engine ties a
+        non-detached machine to its process, and detach cannot be turned on after creation.
+        """
+        if self._owned and not self.kept:
+            self.kept = True
+            if self._on_release is not None:
+                self._on_release(self, True)
+
+    def registry_data(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self._machine.id, "target": self._target, "source": self._source}
+
+    def destroy(self) -> None:
+        """Delete the machine. Only a delete that succeeded (or found it gone) counts: after a
+        failed one the guest stays this backend's to retry, and ``close()`` tries again."""
+        if self._destroyed:
+            return
+        if not self._owned:
+            self._destroyed = True
+            return  # a source: the backend deletes it after its children
+        if self._captured_logs is None:
+            try:
+                # The engine deletes the logs with the machine.
+                self._captured_logs = self._collect_logs()
+            except Exception as exc:  # logs must never stop a delete
+                self._captured_logs = f"(logs could not be read before delete: {exc})"
+        delete_machine(self._machine, self.name, self._target)
+        self._destroyed = True
+        if self._on_release is not None:
+            self._on_release(self, False)
+
+
+def delete_machine(machine: Machine, name: str, target: str) -> None:
+    from smol import SmolError
+
+    try:
+        machine.delete()
+    except SmolError as exc:
+        if not _is_gone(exc):
+            raise GuestError(f"could not delete smol machine {name}: {_describe(exc)}") from exc
+    if target == "local":
+        remove_fork_lock(name)
+
+
+def read_local_logs(name: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The engine's per-machine log files, tails only (readable only until the machine is deleted)."""
+    directory = vm_data_dir(name)
+    parts: list[str] = []
+    for log in LOG_FILES:
+        path = directory / log
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - tail_bytes))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text.strip():
+            cut = " (tail)" if size > tail_bytes else ""
+            parts.append(f"--- {log}{cut}\n{text.rstrip()}")
+    return "\n".join(parts)
+
+
+def _one_member(name: str, data: bytes, *, mode: int = 0o644, link: str | None = None) -> bytes:
+    """A one-member tar the host writes itself (a copied file or link): nothing of it is parsed."""
+    info = tarfile.TarInfo(name)
+    if link is not None:
+        info.type, info.linkname = tarfile.SYMTYPE, link
+    else:
+        info.size, info.mode = len(data), mode & 0o7777
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(data) if link is None else None)
+    return buffer.getvalue()

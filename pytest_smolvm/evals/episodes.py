@@ -1,0 +1,398 @@
+"""RL episodes as parametrized tests, rewards, the results JSONL and the closing summary.
+
+- ``@pytest.mark.smol_episodes(n, seed=0)`` parametrizes a test into ``n`` cases ``ep0..ep{n-1}``.
+  Each episode's seed is derived from ``(seed, index)`` alone, so every xdist worker collects
+  exactly the same ids and seeds (xdist requires identical collection).
+- ``smol_episode`` gives the test ``.index``, ``.seed`` and ``.record(reward, **info)``.
+- ``--smol-results=PATH``: the process that ran a test appends its line the moment the test's
+  teardown report exists: one ``write()`` of one whole line, ``O_APPEND``, under ``flock`` on the
+  file itself. A worker that dies later has already put its finished lines on disk; lines of
+  concurrent workers never interleave. The controller (or the only process) truncates the file
+  once, before any worker starts, and writes the line of a test whose worker crashed under it.
+- The summary is computed in the controller from the same line dicts, carried on the teardown
+  report (attribute ``smolvm_result``), so table and file cannot disagree. The reward also goes
+  into the report's ``user_properties`` as ``("smolvm_reward", value)``: JUnit shows it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import numbers
+import os
+import re
+import warnings
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_smolvm.evals.summary import format_compact, format_table, summarize
+from pytest_smolvm.plugin import artifacts
+
+if TYPE_CHECKING:
+    from pytest_smolvm.session.run import SmolRun
+
+EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
+MARKER = ("smol_episodes(n, seed=0): run this test as n episodes (ids ep0..ep{n-1}), each with a fresh "
+          "guest and a deterministic seed; the smol_episode fixture records rewards (pytest-smolvm)")
+RESULT_ATTR = "smolvm_result"  # on the teardown report
+REWARD_PROPERTY = "smolvm_reward"
+RESULTS_INPUT = "smolvm_results"  # workerinput key: the controller's resolved results path
+SCHEMA_VERSION = 1
+_CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
+
+
+def episode_seed(seed: int, index: int) -> int:
+    """The seed of episode ``index`` of a test marked ``smol_episodes(n, seed=seed)``.
+
+    A 32-bit value (what numpy and most simulators accept) from SHA-256, so it is the same on
+    every host, Python version and worker, and neighbouring episodes get unrelated seeds.
+    """
+    digest = hashlib.sha256(f"pytest-smolvm:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    index: int
+    seed: int
+    episodes: int
+
+
+class Episode:
+    """What a test gets from the ``smol_episode`` fixture."""
+
+    def __init__(self, spec: EpisodeSpec) -> None:
+        self.index = spec.index
+        self.seed = spec.seed
+        self.episodes = spec.episodes
+        self.reward: float | None = None
+        self.info: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"<Episode {self.index}/{self.episodes} seed={self.seed} reward={self.reward}>"
+
+    def record(self, reward: float, **info: Any) -> None:
+        """Record this episode's reward (a finite number) and JSON-serialisable ``info``.
+
+        Called again, the last call wins: reward and info are both replaced.
+        """
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            raise TypeError(f"smol_episode.record(reward={reward!r}): expected a finite number, "
+                            f"got {type(reward).__name__}")
+        value = float(reward)
+        if not math.isfinite(value):
+            raise ValueError(f"smol_episode.record(reward={reward!r}): expected a finite number")
+        try:
+            json.dumps(info, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"smol_episode.record(**info): info must be JSON-serialisable ({exc})") from None
+        self.reward, self.info = value, dict(info)
+
+
+def parse_marker(mark: pytest.Mark, where: str) -> tuple[int, int]:
+    """``(n, seed)`` from ``smol_episodes(n, seed=0)``; raises ValueError with a one-line message."""
+    label = f"{where}: @pytest.mark.smol_episodes"
+    args, kwargs = list(mark.args), dict(mark.kwargs)
+    if len(args) > 2 or set(kwargs) - {"n", "seed"}:
+        raise ValueError(f"{label} takes (n, seed=0), got args={tuple(args)!r} kwargs={kwargs!r}")
+    names = ["n", "seed"][:len(args)]
+    if set(names) & set(kwargs):
+        raise ValueError(f"{label}: n or seed given twice")
+    values = {**dict(zip(names, args, strict=True)), **kwargs}
+    if "n" not in values:
+        raise ValueError(f"{label} needs the number of episodes: smol_episodes(n, seed=0)")
+    n, seed = values["n"], values.get("seed", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{label}(n={n!r}): n must be a positive integer")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{label}(seed={seed!r}): seed must be an integer")
+    return n, seed
+
+
+# ---------------------------------------------------------------------- results file
+
+
+def append_line(path: Path, line: Mapping[str, Any]) -> None:
+    """Append one JSON line: one whole ``write()``, ``O_APPEND``, under an exclusive ``flock``.
+
+    The lock is on the results file itself (no lock file to clean up); closing the fd releases it.
+    """
+    data = (json.dumps(line, allow_nan=False, separators=(",", ":"), default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        view = memoryview(data)
+        while view:  # a regular file takes it in one go; the loop only guards against a short write
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines of a results file (a torn last line, from a host crash, is skipped)."""
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            try:
+                lines.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+    return lines
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return str(value)  # objects, NaN: their text is what a reader of the results can use
+
+
+def _short_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr or "")
+    return text.strip().splitlines()[0][:500] if text.strip() else ""
+
+
+def _outcome(reports: Mapping[str, pytest.TestReport]) -> tuple[str, str]:
+    """(outcome, message) of a whole test from its phase reports, pytest's precedence."""
+    setup, call, teardown = reports.get("setup"), reports.get("call"), reports.get("teardown")
+    if setup is not None and setup.failed:
+        return "error", _short_message(setup)
+    if call is not None and call.failed:
+        return "failed", _short_message(call)
+    if teardown is not None and teardown.failed:
+        return "error", _short_message(teardown)
+    for rep in (setup, call):
+        if rep is not None and rep.skipped:
+            return ("xfailed" if hasattr(rep, "wasxfail") else "skipped"), _skip_reason(rep)
+    if call is not None and hasattr(call, "wasxfail"):
+        return "xpassed", ""
+    return "passed", ""
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        return str(report.longrepr[2]).removeprefix("Skipped: ")[:500]
+    return _short_message(report)
+
+
+def _case_id(callspec_id: str, episode_id: str) -> str:
+    """The parametrize id without the episode part: ``fizzbuzz-ep3`` -> ``fizzbuzz``."""
+    if callspec_id == episode_id:
+        return ""
+    if callspec_id.endswith("-" + episode_id):
+        return callspec_id[: -len(episode_id) - 1]
+    return callspec_id.replace(f"{episode_id}-", "", 1)
+
+
+# ---------------------------------------------------------------------- the plugin object
+
+
+@dataclass
+class _Reports:
+    by_phase: dict[str, pytest.TestReport] = field(default_factory=dict)
+
+
+EPISODE_KEY = pytest.StashKey[Episode]()
+REPORTS_KEY = pytest.StashKey[_Reports]()
+
+
+def install(config: pytest.Config, run: SmolRun) -> None:
+    """Called from the plugin's pytest_configure."""
+    config.addinivalue_line("markers", MARKER)
+    workerinput = getattr(config, "workerinput", None)
+    results = run.settings.results
+    if workerinput is not None:
+        given = workerinput.get(RESULTS_INPUT)
+        results = Path(given) if given else None  # the controller's resolved path, or none at all
+    plugin = EpisodesPlugin(config, run, results, controller=workerinput is None)
+    config.pluginmanager.register(plugin, "smolvm-episodes")
+    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistEpisodes(plugin), "smolvm-episodes-xdist")
+
+
+class EpisodesPlugin:
+    def __init__(self, config: pytest.Config, run: SmolRun, results: Path | None, *,
+                 controller: bool) -> None:
+        self.config = config
+        self.run = run
+        self.results = results
+        self.controller = controller
+        self.lines: list[dict[str, Any]] = []  # controller: every result line seen, for the summary
+        self.write_failed = False
+
+    # -------------------------------------------------------------- collection
+
+    @pytest.hookimpl(trylast=True)  # after ordinary parametrize, so ids read "task-ep0"
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        mark = metafunc.definition.get_closest_marker("smol_episodes")
+        if mark is None:
+            return
+        try:
+            n, seed = parse_marker(mark, metafunc.definition.nodeid)
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            problem = ""
+        if problem:  # failed outside the except block, so pytest shows no chained second copy
+            pytest.fail(problem, pytrace=False)  # a collection error of one line, like parametrize's own
+        specs = [EpisodeSpec(i, episode_seed(seed, i), n) for i in range(n)]
+        # The test does not ask for the internal argname; adding it to the closure is how a plugin
+        # parametrizes a test over an argument it does not take (pytest-repeat does the same).
+        metafunc.fixturenames.append(EPISODE_ARG)
+        metafunc.parametrize(EPISODE_ARG, specs, ids=[f"ep{i}" for i in range(n)])
+
+    @pytest.fixture
+    def smol_episode(self, request: pytest.FixtureRequest) -> Episode:
+        """This episode: .index, .seed and .record(reward, **info).
+
+        Without a smol_episodes marker the test is a single episode (index 0).
+        """
+        episode = Episode(_spec_of(request.node) or EpisodeSpec(0, episode_seed(0, 0), 1))
+        request.node.stash[EPISODE_KEY] = episode
+        return episode
+
+    # -------------------------------------------------------------- results
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+            None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        reports = item.stash.setdefault(REPORTS_KEY, _Reports()).by_phase
+        reports[report.when] = report
+        if report.when == "teardown" and (self.results is not None or _spec_of(item) is not None
+                                          or EPISODE_KEY in item.stash):  # else nobody reads the line
+            line = self.result_line(item, reports)
+            # An attribute, not a user property: xdist carries it to the controller all the same
+            # (reports travel as their __dict__), and JUnit XML is spared a JSON blob per test.
+            setattr(report, RESULT_ATTR, line)
+            if line.get("reward") is not None:
+                report.user_properties = [*report.user_properties, (REWARD_PROPERTY, line["reward"])]
+            self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
+        return report
+
+    def result_line(self, item: pytest.Item, reports: Mapping[str, pytest.TestReport]) -> dict[str, Any]:
+        outcome, message = _outcome(reports)
+        spec = _spec_of(item)
+        episode = item.stash.get(EPISODE_KEY, None)
+        callspec = getattr(item, "callspec", None)
+        params = {k: _jsonable(v) for k, v in (callspec.params.items() if callspec else ()) if k != EPISODE_ARG}
+        case = callspec.id if callspec else ""
+        if spec is not None and callspec is not None:
+            case = _case_id(callspec.id, f"ep{spec.index}")
+        function = item.nodeid[: -len(callspec.id) - 2] if callspec else item.nodeid
+        guests = artifacts.finished_guests(item)
+        first = guests[0].vm if guests else None
+        durations = {when: round(rep.duration, 6) for when, rep in reports.items()}
+        durations["provision"] = round(sum(g.provision_seconds for g in guests), 6)
+        durations["destroy"] = round(sum(g.destroy_seconds for g in guests), 6)
+        return {
+            "v": SCHEMA_VERSION,
+            "test": item.nodeid,
+            "function": function,
+            "case": case,
+            "params": params,
+            "episode": spec.index if spec else (episode.index if episode else None),
+            "episodes": spec.episodes if spec else (episode.episodes if episode else None),
+            "seed": spec.seed if spec else (episode.seed if episode else None),
+            "outcome": outcome,
+            "message": message,
+            "reward": episode.reward if episode else None,
+            "info": episode.info if episode else {},
+            "durations": durations,
+            "vms": [g.vm.name for g in guests],
+            "backend": first.backend if first else self._backend(),
+            "baseline": first.baseline if first else None,
+            "baseline_digest": first.digest if first else None,
+            "worker": self.run.worker,
+            "run_id": self.run.run_id,
+        }
+
+    def write(self, line: Mapping[str, Any]) -> None:
+        if self.results is None:
+            return
+        try:
+            append_line(self.results, line)
+        except OSError as exc:  # an unwritable results file must not fail the tests; say it loudly once
+            if not self.write_failed:
+                self.write_failed = True
+                warnings.warn(pytest.PytestWarning(
+                    f"pytest-smolvm: could not append to --smol-results {self.results}: {exc}"), stacklevel=1)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's sessionstart starts the workers
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.controller and self.results is not None:
+            try:
+                self.results.parent.mkdir(parents=True, exist_ok=True)
+                self.results.write_bytes(b"")
+            except OSError as exc:
+                raise pytest.UsageError(f"--smol-results={self.results}: cannot create it: {exc}") from None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not self.controller:
+            return
+        if report.when == "teardown":
+            line = getattr(report, RESULT_ATTR, None)
+            if isinstance(line, dict):
+                self.lines.append(line)
+        elif str(report.when) == "???":  # xdist's report for a test whose worker died under it
+            line = self.crashed_line(report)
+            self.lines.append(line)
+            self.write(line)
+
+    def crashed_line(self, report: pytest.TestReport) -> dict[str, Any]:
+        match = _CRASHED_ID.match(report.nodeid)
+        node = getattr(report, "node", None)
+        worker = getattr(getattr(node, "gateway", None), "id", None)
+        return {
+            "v": SCHEMA_VERSION, "test": report.nodeid,
+            "function": match["function"] if match else report.nodeid.split("[")[0],
+            "case": (match["case"] or "") if match else "", "params": {},
+            "episode": int(match["index"]) if match else None, "episodes": None, "seed": None,
+            "outcome": "error", "message": str(report.longrepr)[:500], "reward": None, "info": {},
+            "durations": {}, "vms": [], "backend": self._backend(), "baseline": None,
+            "baseline_digest": None, "worker": worker, "run_id": self.run.run_id, "crashed": True,
+        }
+
+    def _backend(self) -> str | None:
+        """The run's backend if it was decided (a test without a guest never decides it)."""
+        plan = self.run.plan
+        return plan.backend if plan is not None else None
+
+    # -------------------------------------------------------------- summary
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.controller:
+            return
+        rows = summarize(self.lines)
+        verbosity = self.config.get_verbosity()
+        if rows and verbosity >= -1:
+            terminalreporter.section("smolvm episodes")
+            for text in (format_table(rows) if verbosity >= 0 else format_compact(rows)):
+                terminalreporter.line(text)
+        if self.results is not None and verbosity >= -1:
+            terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}")
+
+
+class _XdistEpisodes:
+    """Registered only when pytest-xdist is installed: its hook names exist only then."""
+
+    def __init__(self, plugin: EpisodesPlugin) -> None:
+        self.plugin = plugin
+
+    def pytest_configure_node(self, node: Any) -> None:
+        results = self.plugin.results
+        node.workerinput[RESULTS_INPUT] = str(results.resolve()) if results is not None else ""
+
+
+def _spec_of(item: pytest.Item) -> EpisodeSpec | None:
+    callspec = getattr(item, "callspec", None)
+    spec = callspec.params.get(EPISODE_ARG) if callspec is not None else None
+    return spec if isinstance(spec, EpisodeSpec) else None

@@ -1,0 +1,39 @@
+"""Removing guests whose owner is gone, for every backend: the registry first, then each
+backend's own leftovers (machines it made outside the registry, such as smol sources).
+
+Who calls it: the process that outlives the others, when the run's plan is made (what dead
+runs left), when an xdist worker goes down (what it left) and at session end (anything of this
+run); and ``pytest-smolvm reap`` by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pytest_smolvm.backends import backend_class
+from pytest_smolvm.backends.base import Backend
+from pytest_smolvm.host import registry
+
+
+def destroy_record(record: registry.Record) -> None:
+    backend_class(record.backend)().destroy_recorded(record.data)
+
+
+def reap_orphans(*, include_kept: bool = False, names: Mapping[str, object] | None = None) -> registry.ReapReport:
+    """Remove recorded guests whose owner process is gone (``names`` narrows it to those names)."""
+    def select(record: registry.Record) -> bool:
+        if names is not None and record.name not in names:
+            return False
+        return registry.orphaned(record, include_kept=include_kept)
+
+    return registry.reap(select, destroy_record)
+
+
+def reap_dead(backend_cls: type[Backend]) -> registry.ReapReport:
+    """Everything dead owners left: registry records, then ``backend_cls``'s unrecorded machines."""
+    report = reap_orphans()
+    try:
+        report.removed += backend_cls.reap_unrecorded()
+    except Exception as exc:  # the engine may be unusable here; the registry part still counts
+        report.failed.append((backend_cls.name, f"{type(exc).__name__}: {exc}"))
+    return report

@@ -1,0 +1,263 @@
+"""pytest hooks and fixtures: thin glue over the run (plan, pool), reporting and the sinks.
+
+Nothing here does work at startup: ``pytest_configure`` reads options and registers hooks.
+The run's plan is made, and this process's guest pool started, when a test first asks for a
+guest (see ``run.py``). A project without guest tests pays for option parsing and nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import pytest
+
+from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
+from pytest_smolvm.evals import episodes
+from pytest_smolvm.plugin import artifacts, hookspecs, progress, reporting
+from pytest_smolvm.session.run import SERVICE_INPUT, SmolRun
+from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
+
+if TYPE_CHECKING:
+    from pytest_smolvm.handle.vm import VM
+    from pytest_smolvm.session.pool import LiveGuest
+
+RUN_KEY = pytest.StashKey[SmolRun]()
+GUESTS_KEY = pytest.StashKey[list["LiveGuest"]]()
+REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
+COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
+PROBLEMS_KEY = pytest.StashKey[list[str]]()
+DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
+RUN_ID_INPUT = "smolvm_run_id"
+PROBLEMS_OUTPUT = "smolvm_problems"  # workeroutput key: teardown problems a worker met
+WORK_OUTPUT = "smolvm_work"  # workeroutput key: a worker's long host-side work (pulls, unpacks)
+WORK_KEY = pytest.StashKey[list[str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    try:
+        settings = Settings.from_config(config)
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
+                      service_address=workerinput[SERVICE_INPUT], workers=int(workerinput.get("workercount", 1)))
+    else:
+        distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
+        run = SmolRun(settings, worker="controller" if distributed else "main")
+    progress.install(config)  # pulling or unpacking a baseline says how far it got
+    config.stash[RUN_KEY] = run
+    config.stash[PROBLEMS_KEY] = []
+    config.stash[WORK_KEY] = []
+    counter = GuestTestCounter()
+    config.stash[COUNTER_KEY] = counter
+    config.pluginmanager.register(counter, "smolvm-counter")
+    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistController(run, config.stash[PROBLEMS_KEY], config.stash[WORK_KEY]),
+                                      "smolvm-xdist")
+    episodes.install(config, run)
+    artifacts.install(config, run)
+
+
+class GuestTestCounter:
+    """Counts tests that used a guest, from xdist workers' reports too (the controller sees them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and any(k == "smolvm_backend" for k, _ in report.user_properties):
+            self.count += 1
+
+
+class XdistController:
+    """Hooks that exist only when pytest-xdist is installed (registered on demand)."""
+
+    def __init__(self, run: SmolRun, problems: list[str], work: list[str]) -> None:
+        self.run = run
+        self.problems = problems
+        self.work = work
+
+    def pytest_configure_node(self, node: Any) -> None:
+        node.workerinput[RUN_ID_INPUT] = self.run.run_id
+        node.workerinput[SERVICE_INPUT] = self.run.service_address()
+
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        workeroutput = getattr(node, "workeroutput", {})
+        self.problems.extend(workeroutput.get(PROBLEMS_OUTPUT, []))
+        self.work.extend(workeroutput.get(WORK_OUTPUT, []))
+        if error and self.run.plan is not None:
+            from pytest_smolvm.host.reaper import reap_orphans
+
+            reap_orphans()  # the dead worker's guests died with it; this clears what they left
+
+    def pytest_runtest_logstart(self) -> None:
+        if self.run.plan is not None:
+            self.run.install_signals()  # guests exist now: SIGTERM/SIGHUP must reach sessionfinish
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    run = config.stash.get(RUN_KEY, None)
+    if run is None:
+        return
+    problems = config.stash[PROBLEMS_KEY]
+    problems += run.finish()
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput[PROBLEMS_OUTPUT] = list(problems)
+        workeroutput[WORK_OUTPUT] = progress.finished()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run = config.stash.get(RUN_KEY, None)
+    if run is not None:
+        run.close()  # idempotent; covers a session that never reached sessionfinish
+    progress.reset()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    run = config.stash[RUN_KEY]
+    if run.is_worker or run.plan is None:
+        return  # no guest was ever asked for: nothing to say
+    from pytest_smolvm.host.registry import records
+
+    kept = [r for r in records() if r.kept and r.run_id == run.run_id]
+    problems: list[str] = config.stash[PROBLEMS_KEY]
+    lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
+                                    problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
+    if lines:
+        terminalreporter.section("smolvm")
+        for line in lines:
+            terminalreporter.line(line)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+        None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "setup" and DECISION_KEY in item.stash:
+        # The probe boot and the baseline's preparation are the run's, whichever test came first:
+        # counted in the test's duration they would skew --durations, JUnit and the results.
+        report.duration = max(0.0, report.duration - item.stash[DECISION_KEY])
+    item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
+    guests = item.stash.get(GUESTS_KEY, [])
+    artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
+    return report
+
+
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None  # the common case, decided without importing asyncio
+    from pytest_smolvm.plugin import async_tests
+
+    return async_tests.run(pyfuncitem)
+
+
+def _test_failed(item: pytest.Item) -> bool:
+    return any(r.failed for r in item.stash.get(REPORTS_KEY, {}).values())
+
+
+def _fail_setup(message: str) -> NoReturn:
+    pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture
+def smol_vm_factory(request: pytest.FixtureRequest,
+                    smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
+    """Make guests on demand: smol_vm_factory(**marker_keywords); all destroyed at teardown."""
+    from pytest_smolvm.session.warm import BaselineSetup, BaselineSetupError
+
+    item = request.node
+    run = request.config.stash[RUN_KEY]
+    try:
+        setup: BaselineSetup | None = BaselineSetup.from_config(request.config, smol_baseline_setup)
+        base_spec: MarkerSpec | None = marker_spec(item)
+        problem = ""
+    except UsageError as exc:
+        setup, base_spec, problem = None, None, str(exc)
+    if setup is None or base_spec is None:
+        _fail_setup(problem)  # outside the except block: no chained traceback in the report
+    assert base_spec is not None
+    made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
+
+    def make(**keywords: Any) -> VM:
+        try:
+            spec = base_spec.merged(keywords, "smol_vm_factory")
+            proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
+            item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
+            spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
+            if run.plan is None:  # this process's first guest: the run's one decision happens now
+                deciding = time.monotonic()
+                run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
+                waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
+                item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
+                                        "one-time backend decision (probe, baseline); not counted in its duration")
+            live: LiveGuest | None = run.pool.create(item.nodeid, spec, setup)
+            problem = ""
+        except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors
+            live, problem = None, str(exc)
+        except UsageError as exc:
+            # The run's settings are wrong (a bad baseline, say): every guest test would fail alike.
+            request.session.shouldstop = f"pytest-smolvm: {exc}"
+            live, problem = None, str(exc)
+        except BaselineSetupError as exc:
+            # Stop the run (xdist included) rather than fail every remaining test the same way.
+            request.session.shouldstop = "pytest-smolvm: the baseline setup failed (its output is above)"
+            live, problem = None, f"pytest-smolvm: the baseline setup failed: {exc}"
+        except ProvisionError as exc:
+            live, problem = None, f"pytest-smolvm: could not provision a guest (infrastructure, not the test): {exc}"
+        if live is None:
+            _fail_setup(problem)
+        assert live is not None
+        if not made:  # on the item, so every later report (and JUnit XML) carries them
+            item.user_properties += [("smolvm_backend", live.vm.backend),
+                                     ("smolvm_baseline", live.vm.baseline),
+                                     ("smolvm_baseline_digest", live.vm.digest)]
+        made.append(live)
+        item.config.hook.pytest_smolvm_vm_ready(item=item, vm=live.vm)
+        return live.vm
+
+    try:
+        yield make
+    finally:
+        if made:
+            pool = run.pool
+            keep = run.settings.keep
+            artifacts.before_destroy(item, made)  # files to save need the guests alive
+            for live in reversed(made):
+                if keep == "always" or (keep == "failed" and _test_failed(item)):
+                    pool.keep(live)
+                else:
+                    pool.release(live)
+            made.clear()
+
+
+@pytest.fixture(scope="session")
+def smol_baseline_setup() -> Sequence[str]:
+    """Shell commands that make the warm baseline, run once per host before any guest forks.
+
+    Override it in a conftest.py (keep it session-scoped) to return your setup commands; the
+    pytest_smolvm_prepare_baseline hook is the same thing for code that needs the VM handle.
+    """
+    return ()
+
+
+@pytest.fixture
+def smol_vm(smol_vm_factory: Callable[..., VM]) -> VM:
+    """A fresh guest for this test (and so for each parametrized case), destroyed afterwards."""
+    return smol_vm_factory()

@@ -1,0 +1,51 @@
+"""What the user reads at the end of a run that used guests (guest logs: artifacts.py).
+
+There is no report-header line: the header is printed before any test runs, when nothing has
+been decided yet (the run's plan is made on the first guest request), and a project that never
+uses a guest must not see the plugin at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytest_smolvm.host.registry import Record
+    from pytest_smolvm.session.plan import RunPlan
+
+
+def plan_lines(plan: RunPlan) -> list[str]:
+    """The run's one decision, and why: backend, isolation, baseline and its digest."""
+    from pytest_smolvm.backends import backend_class
+    from pytest_smolvm.baselines.baseline import preparations
+
+    base = plan.baseline
+    lines = [f"smolvm: backend {plan.backend} (isolation: {plan.isolation}; {plan.reason})",
+             f"smolvm: baseline {base.reference} ({base.kind}, {base.digest})"]
+    done = preparations(base.digest)
+    if done:
+        last = done[-1]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(last["at"]))
+        lines.append(f"smolvm: baseline unpacked once on this host by {last['worker']} (pid {last['pid']}) "
+                     f"in {last['seconds']:.2f}s at {when}; every guest reuses it")
+    describe = getattr(backend_class(plan.backend), "describe_host", None)
+    if callable(describe):
+        lines.extend(f"smolvm: {line}" for line in describe())
+    return lines
+
+
+def summary_lines(plan: RunPlan, kept: Iterable[Record], *, used_guests: bool,
+                  problems: Iterable[str] = (), work: Iterable[str] = ()) -> list[str]:
+    lines = plan_lines(plan) if used_guests else []
+    lines += work  # pulls and unpacks that took long (progress.py): said here, not mid-output
+    kept = list(kept)
+    if kept:
+        lines.append(f"{len(kept)} guest(s) kept alive for debugging:")
+        for record in kept:
+            lines.append(f"  {record.name}  ({record.test_id})  enter: pytest-smolvm shell {record.name}")
+        lines.append("  remove them with: pytest-smolvm reap --kept")
+    for problem in problems:
+        lines.append(f"teardown problem (left to 'pytest-smolvm reap'): {problem}")
+    return lines

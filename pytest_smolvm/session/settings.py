@@ -1,0 +1,348 @@
+"""Options, ini keys and the ``smol`` marker: parsed once, validated with one-line errors.
+
+Precedence for every setting: marker > command line > ini > default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_smolvm.errors import MarkerError, UsageError
+
+BACKEND_CHOICES = ("auto", "smol", "namespace")
+TARGET_CHOICES = ("local", "cloud")
+KEEP_CHOICES = ("never", "failed", "always")
+LOGS_CHOICES = ("failed", "always")
+MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit",
+                   "relax")
+DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
+# The longest wait poll(2) and Python's timers take (2**31 - 1 ms, about 24.8 days): a longer
+# timeout would overflow them after the command had started in the guest.
+MAX_TIMEOUT = 2_147_483.0
+SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+# Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
+# "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
+RELAX_CHOICES = ("seccomp", "limits")
+
+# (option, ini key, help); defaults live in Settings so that "not given" stays visible.
+OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("--smol-baseline", "smol_baseline",
+     "baseline every guest forks from: rootfs dir, rootfs tarball (.tar/.tar.gz/.tar.zst), "
+     "docker-save/OCI archive, .smolmachine (smol) or registry image (name:tag, host/name:tag, "
+     "name@sha256:...). Default: the bundled Alpine rootfs."),
+    ("--smol-backend", "smol_backend",
+     "auto (microVM if one boots here, else namespace), smol or namespace. Default: auto."),
+    ("--smol-target", "smol_target", "where smol microVMs run: local or cloud. Default: local."),
+    ("--smol-keep", "smol_keep",
+     "keep guests after their test: never, failed or always. Default: never."),
+    ("--smol-max-vms", "smol_max_vms", "most guests alive at once on this host, all workers together."),
+    ("--smol-results", "smol_results", "write one JSON line per test/episode to this file."),
+    ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
+    ("--smol-logs", "smol_logs",
+     "which tests' guest logs and transcripts go to every report sink: failed or always. Default: failed."),
+    ("--smol-user", "smol_user",
+     "guest user (name or uid in the guest's /etc/passwd) every exec and file operation runs as. "
+     "Default: root."),
+    ("--smol-output-limit", "smol_output_limit",
+     "bytes of each exec's stdout and stderr kept (head and tail; suffix k, m or g). Default: 16m."),
+)
+
+
+REGISTRY_AUTH_HELP = ("[REGISTRY=]USER:PASSWORD for pulling registry images (or set $PYTEST_SMOLVM_REGISTRY_AUTH, "
+                      "which keeps it out of ps); else ~/.docker/config.json is read.")
+OFFLINE_HELP = "pull nothing: registry images come from the host's cache only (pre-pull: pytest-smolvm pull IMAGE)."
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("smolvm", "pytest-smolvm: a fresh guest per test")
+    for option, ini, help_text in OPTIONS:
+        group.addoption(option, dest=ini, default=None, metavar=ini.upper().removeprefix("SMOL_"),
+                        help=help_text)
+        parser.addini(ini, help=help_text, default=None)
+    # Credentials get no ini key: an ini file is committed.
+    group.addoption("--smol-registry-auth", dest="smol_registry_auth", default=None, metavar="AUTH",
+                    help=REGISTRY_AUTH_HELP)
+    group.addoption("--smol-offline", dest="smol_offline", action="store_true", default=None, help=OFFLINE_HELP)
+    parser.addini("smol_offline", help=OFFLINE_HELP, type="bool", default=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    baseline: str | None = None
+    backend: str = "auto"
+    target: str = "local"
+    keep: str = "never"
+    max_vms: int | None = None
+    results: Path | None = None
+    artifacts: Path | None = None
+    logs: str = "failed"
+    user: str | None = None
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
+    rootdir: Path = field(default_factory=Path.cwd)
+    baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
+    registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used
+    offline: bool = False
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Settings:
+        """Read CLI over ini; raise UsageError naming the option for any bad value."""
+        values: dict[str, tuple[str, str | None, Path]] = {}
+        for option, ini, _ in OPTIONS:
+            cli_value = config.getoption(ini)
+            if cli_value is not None:
+                values[ini] = (option, str(cli_value), config.invocation_params.dir)
+                continue
+            ini_value = config.getini(ini)
+            if ini_value not in (None, ""):
+                values[ini] = (ini, str(ini_value), config.rootpath)
+
+        def get(key: str) -> tuple[str, str | None, Path]:
+            return values.get(key, (key, None, config.rootpath))
+
+        settings = cls(rootdir=config.rootpath)
+        changes: dict[str, Any] = {}
+        name, value, _ = get("smol_backend")
+        if value is not None:
+            settings = replace(settings, backend=_known_backend(name, value))
+        for key, choices, attr in (("smol_target", TARGET_CHOICES, "target"),
+                                   ("smol_keep", KEEP_CHOICES, "keep"),
+                                   ("smol_logs", LOGS_CHOICES, "logs")):
+            name, value, _ = get(key)
+            if value is not None:
+                if value not in choices:
+                    raise UsageError(f"{name}={value}: choose one of {', '.join(choices)}")
+                changes[attr] = value
+        name, value, _ = get("smol_max_vms")
+        if value is not None:
+            settings = replace(settings, max_vms=_positive_int(name, value))
+        name, value, _ = get("smol_user")
+        if value is not None:
+            changes["user"] = _guest_user(name, value)
+        name, value, _ = get("smol_output_limit")
+        if value is not None:
+            changes["output_limit"] = byte_size(name, value)
+        name, value, base = get("smol_baseline")
+        if value is not None:
+            from pytest_smolvm.baselines.baseline import check_reference
+
+            check_reference(value, base, option=name)  # a typo fails now; digesting waits for a guest
+            settings = replace(settings, baseline=value, rootdir=base, baseline_option=name)
+        for key, attr in (("smol_results", "results"), ("smol_artifacts", "artifacts")):
+            name, value, base = get(key)
+            if value is not None:
+                if not value.strip():
+                    raise UsageError(f"{name}: expected a path, got an empty value")
+                changes[attr] = base / Path(value).expanduser()
+        auth_value = config.getoption("smol_registry_auth", None)
+        if auth_value is not None:
+            from pytest_smolvm.baselines.oci.auth import parse_auth_option
+
+            parse_auth_option(str(auth_value))  # a malformed value fails here, naming the option
+            changes["registry_auth"] = str(auth_value)
+        offline = config.getoption("smol_offline", None)
+        changes["offline"] = bool(offline) if offline is not None else bool(config.getini("smol_offline"))
+        return replace(settings, **changes)
+
+    @classmethod
+    def from_keywords(cls, where: str, *, baseline: str | None = None, backend: str = "auto",
+                      target: str = "local", keep: str = "never", max_vms: int | None = None,
+                      user: str | int | None = None, output_limit: int | str | None = None,
+                      registry_auth: str | None = None, offline: bool = False,
+                      rootdir: str | Path | None = None) -> Settings:
+        """The same settings from keyword arguments (the library's Session); errors name ``where(key=...)``."""
+        root = Path(rootdir).expanduser() if rootdir is not None else Path.cwd()
+        backend = _known_backend(f"{where}(backend)", backend)
+        for key, value, choices in (("target", target, TARGET_CHOICES), ("keep", keep, KEEP_CHOICES)):
+            if value not in choices:
+                raise UsageError(f"{where}({key}={value!r}): choose one of {', '.join(choices)}")
+        settings = cls(backend=backend, target=target, keep=keep, rootdir=root, offline=bool(offline),
+                       baseline_option=f"{where}(baseline)")
+        changes: dict[str, Any] = {}
+        if max_vms is not None:
+            changes["max_vms"] = _positive_int(f"{where}(max_vms)", max_vms)
+        if user is not None:
+            changes["user"] = _guest_user(f"{where}(user)", user)
+        if output_limit is not None:
+            changes["output_limit"] = byte_size(f"{where}(output_limit)", output_limit)
+        if baseline is not None:
+            from pytest_smolvm.baselines.baseline import check_reference
+
+            check_reference(baseline, root, option=f"{where}(baseline)")
+            changes["baseline"] = baseline
+        if registry_auth is not None:
+            from pytest_smolvm.baselines.oci.auth import parse_auth_option
+
+            parse_auth_option(registry_auth, f"{where}(registry_auth)")
+            changes["registry_auth"] = registry_auth
+        return replace(settings, **changes)
+
+
+def _known_backend(name: str, value: str) -> str:
+    if value in BACKEND_CHOICES:
+        return value
+    from pytest_smolvm.backends import backend_class
+
+    try:
+        backend_class(value)
+    except UsageError:
+        raise UsageError(f"{name}={value}: unknown backend (choose auto, smol, namespace or an "
+                         "installed pytest_smolvm.backends entry point)") from None
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name}={value}: expected a positive integer") from None
+    if number <= 0 or isinstance(value, bool):
+        raise UsageError(f"{name}={value}: expected a positive integer")
+    return number
+
+
+def _guest_user(name: str, value: Any) -> str | int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip() and ":" not in value and value == value.strip():
+        return value
+    raise UsageError(f"{name}={value!r}: expected a user name or uid known in the guest")
+
+
+def byte_size(name: str, value: Any) -> int:
+    """A positive byte count: an int, or a string like ``4096``, ``64k``, ``16m``, ``1g``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        text = value.strip().lower().removesuffix("b").removesuffix("i")
+        digits, suffix = (text[:-1], text[-1]) if text[-1:] in SIZE_SUFFIXES else (text, "")
+        if not digits.isdigit():
+            raise UsageError(f"{name}={value}: expected a byte count like 1048576, 64k or 16m")
+        number = int(digits) * SIZE_SUFFIXES[suffix]
+    else:
+        raise UsageError(f"{name}={value!r}: expected a byte count like 1048576, 64k or 16m")
+    if number <= 0:
+        raise UsageError(f"{name}={value}: expected a positive byte count")
+    return number
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{name}={value!r}: expected a positive number")
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{name}={value!r}: expected a positive number")
+    return float(value)
+
+
+def guest_timeout(label: str, value: object, error: type[Exception] = ValueError) -> float | None:
+    """A guest timeout in seconds as ``label`` was given it; infinity means no limit (None).
+
+    Anything else that is not a positive number of seconds up to MAX_TIMEOUT raises ``error``
+    with one line naming ``label``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise error(f"{label}={value!r}: expected a positive number of seconds, or None for no limit")
+    if math.isinf(value):
+        return None
+    if value > MAX_TIMEOUT:
+        raise error(f"{label}={value!r}: longer than the longest supported timeout ({MAX_TIMEOUT:.0f} s, "
+                    f"about 24.8 days); use None for no limit")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class MarkerSpec:
+    """The ``smol`` marker's keywords for one test, closest marker winning per keyword."""
+
+    image: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    network: bool = False
+    allow_hosts: tuple[str, ...] = ()
+    timeout: float | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str | int | None = None  # None: --smol-user, else root
+    output_limit: int | None = None  # None: --smol-output-limit, else 16 MiB
+    relax: tuple[str, ...] = ()
+
+    def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
+        """This spec with ``overrides`` (marker or factory keywords) applied and validated.
+
+        A bad keyword raises MarkerError: it is the test's own, so only that test errors.
+        """
+        try:
+            changes = self._changes(overrides, where)
+        except UsageError as exc:
+            raise MarkerError(str(exc)) from None
+        return replace(self, **changes)
+
+    def _changes(self, overrides: Mapping[str, Any], where: str) -> dict[str, Any]:
+        unknown = sorted(set(overrides) - set(MARKER_KEYWORDS))
+        if unknown:
+            raise UsageError(f"{where}: unknown keyword {unknown[0]!r} "
+                             f"(expected one of {', '.join(MARKER_KEYWORDS)})")
+        changes: dict[str, Any] = {}
+        for key, value in overrides.items():
+            label = f"{where}({key}=...)"
+            if value is None and key in ("image", "cpus", "memory_mb", "timeout", "user", "output_limit"):
+                changes[key] = None
+            elif key == "image":
+                if not isinstance(value, str) or not value:
+                    raise UsageError(f"{label}: image must be a non-empty string")
+                changes[key] = value
+            elif key == "cpus":
+                changes[key] = _positive_number(f"{where}(cpus)", value)
+            elif key == "memory_mb":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise UsageError(f"{where}(memory_mb={value!r}): expected a positive integer")
+                changes[key] = _positive_int(f"{where}(memory_mb)", value)
+            elif key == "timeout":
+                changes[key] = guest_timeout(f"{where}(timeout)", value, UsageError)
+            elif key == "user":
+                changes[key] = _guest_user(f"{where}(user)", value)
+            elif key == "output_limit":
+                changes[key] = byte_size(f"{where}(output_limit)", value)
+            elif key == "network":
+                if not isinstance(value, bool):
+                    raise UsageError(f"{where}(network={value!r}): expected True or False")
+                changes[key] = value
+            elif key == "allow_hosts":
+                if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
+                    raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
+                changes[key] = tuple(value)
+            elif key == "relax":
+                if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                    raise UsageError(f"{where}(relax={value!r}): expected a list of {', '.join(RELAX_CHOICES)}")
+                unknown_parts = sorted(set(value) - set(RELAX_CHOICES))
+                if unknown_parts:
+                    raise UsageError(f"{where}(relax=...): unknown part {unknown_parts[0]!r} "
+                                     f"(choose from {', '.join(RELAX_CHOICES)})")
+                changes[key] = tuple(value)
+            elif key == "env":
+                if not isinstance(value, Mapping) or not all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                    raise UsageError(f"{where}(env={value!r}): expected a dict of str to str")
+                changes[key] = {**self.env, **value}
+        return changes
+
+
+def marker_spec(item: pytest.Item) -> MarkerSpec:
+    """The ``smol`` markers on ``item`` (module, class, function), the closest winning."""
+    spec = MarkerSpec()
+    for mark in reversed(list(item.iter_markers("smol"))):  # farthest first, closest last
+        if mark.args:
+            raise UsageError(f"@pytest.mark.smol takes keywords only, got positional {mark.args!r}")
+        spec = spec.merged(mark.kwargs, "@pytest.mark.smol")
+    return spec
+
+
+MARKERS = (
+    "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
+    "user=None, output_limit=None, relax=[]): guest settings for this test's smol_vm; relax turns off "
+    "parts of a namespace guest's confinement: seccomp, limits (pytest-smolvm)",
+)
