@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.baselines.baseline import force_rmtree
+from pytest_smolvm.baselines.cache import force_rmtree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -178,7 +178,8 @@ def bench_baseline(cfg: Config) -> list[Figure]:
         import time
         from pathlib import Path
         started = time.perf_counter()
-        from pytest_smolvm.baselines.baseline import resolve, unpack
+        from pytest_smolvm.baselines.baseline import resolve
+        from pytest_smolvm.baselines.cache import unpack
         rootfs = unpack(resolve(None, Path.cwd()))
         print(time.perf_counter() - started)
     """)
@@ -209,7 +210,8 @@ def bench_baseline(cfg: Config) -> list[Figure]:
 def floor_command(cfg: Config, iterations: int, guest_mounts: bool = False) -> list[str]:
     """argv of benchmarks/_floor.py for ``iterations`` (plus 5 of warm-up), on the guests' tmpfs."""
     from pytest_smolvm.backends.namespace import seccomp
-    from pytest_smolvm.baselines.baseline import resolve, unpack
+    from pytest_smolvm.baselines.baseline import resolve
+    from pytest_smolvm.baselines.cache import unpack
 
     lower = str(unpack(resolve(None, REPO)).path)
     floor_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or cfg.root) / "floor"  # where guests' scratch dirs are
@@ -587,7 +589,8 @@ def _spread(values: list[float]) -> str:
 
 def baseline_shell() -> list[str]:
     """argv that runs the default baseline's busybox sh on the host, unconfined, through its own loader."""
-    from pytest_smolvm.baselines.baseline import resolve, unpack
+    from pytest_smolvm.baselines.baseline import resolve
+    from pytest_smolvm.baselines.cache import unpack
 
     rootfs = unpack(resolve(None, REPO)).path
     loaders = sorted((rootfs / "lib").glob("ld-musl-*.so.1"))

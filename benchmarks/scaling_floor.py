@@ -61,7 +61,8 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
     from pytest_smolvm.backends.namespace import seccomp
-    from pytest_smolvm.baselines.baseline import resolve, unpack
+    from pytest_smolvm.baselines.baseline import resolve
+    from pytest_smolvm.baselines.cache import unpack
 
     with bench.bench_dirs(quick=False) as cfg:
         suite_dir = cfg.root / "scaling-floor"

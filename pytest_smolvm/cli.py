@@ -69,8 +69,8 @@ def _shell(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     """Pull and unpack an image into this host's cache, as a test run would (for CI warm-up)."""
-    from pytest_smolvm.baselines import baseline
-    from pytest_smolvm.baselines.oci import resolve_image
+    from pytest_smolvm.baselines import cache
+    from pytest_smolvm.baselines.oci.pull import resolve_image
     from pytest_smolvm.baselines.oci.reference import parse
     from pytest_smolvm.errors import UsageError
     from pytest_smolvm.session.settings import Settings
@@ -81,7 +81,7 @@ def _pull(args: argparse.Namespace) -> int:
 
             parse_auth_option(args.registry_auth, "--registry-auth")
         pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
-        rootfs = baseline.unpack(pinned, by="pytest-smolvm pull")
+        rootfs = cache.unpack(pinned, by="pytest-smolvm pull")
     except UsageError as exc:
         print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {args.image}"),
               file=sys.stderr)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.baselines.baseline import force_rmtree
+from pytest_smolvm.baselines.cache import force_rmtree
 from tests.leaks import assert_host_clean
 
 pytest_plugins = ["pytester", "tests.registry_fixtures"]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.baselines import baseline as baselines
-from pytest_smolvm.baselines.oci import resolve_image, store
+from pytest_smolvm.baselines import cache as baselines
+from pytest_smolvm.baselines.oci import store
 from pytest_smolvm.baselines.oci.auth import lookup, parse_auth_option
+from pytest_smolvm.baselines.oci.pull import resolve_image
 from pytest_smolvm.baselines.oci.reference import parse
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.session.settings import Settings

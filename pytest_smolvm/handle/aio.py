@@ -11,27 +11,53 @@ is fired, and the backend kills the command's process group in the guest.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pytest_smolvm.backends.base import Cancel, OutputCallback
-from pytest_smolvm.handle.vm import DEFAULT, DEFAULT_READ_LIMIT, ExecResult, Timeout
-
-if TYPE_CHECKING:
-    from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.handle.base import GuestHandle
+from pytest_smolvm.handle.result import ExecResult
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _awaited(method: Callable[Concatenate[GuestHandle, P], T]) -> Callable[Concatenate[AsyncVM, P], Awaitable[T]]:
+    """``method`` of the blocking handle as a coroutine method: same parameters, defaults and
+    errors (the blocking one runs on a thread of its own)."""
+
+    @functools.wraps(method)
+    async def awaited(self: AsyncVM, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await _Loop().run(lambda: method(self.sync, *args, **kwargs))
+
+    return awaited
+
+
+def _awaited_exec(method: Callable[Concatenate[GuestHandle, P], ExecResult],
+                  ) -> Callable[Concatenate[AsyncVM, P], Awaitable[ExecResult]]:
+    """``exec`` as a coroutine method whose cancellation kills the guest command, and whose
+    ``on_output`` callbacks run in the event loop's thread."""
+
+    @functools.wraps(method)
+    async def awaited(self: AsyncVM, /, *args: P.args, **kwargs: P.kwargs) -> ExecResult:
+        cancel = Cancel()
+        loop = _Loop()
+        on_output: OutputCallback | None = kwargs.pop("on_output", None)  # type: ignore[assignment]
+        callback = loop.wrap(on_output) if on_output is not None else None
+        run: Callable[..., ExecResult] = self.sync._exec_cancellable
+        return await loop.run(lambda: run(*args, on_output=callback, cancel=cancel, **kwargs), cancel)
+
+    return awaited
 
 
 class AsyncVM:
     """Async twin of :class:`~pytest_smolvm.handle.vm.VM`; get it as ``smol_vm.aio``."""
 
-    def __init__(self, vm: VM) -> None:
+    def __init__(self, vm: GuestHandle) -> None:
         self.sync = vm  # the blocking handle, for what has no async twin (logs, transcript)
 
     @property
@@ -45,33 +71,11 @@ class AsyncVM:
     def __repr__(self) -> str:
         return f"<AsyncVM {self.name}>"
 
-    async def exec(self, cmd: str | Sequence[str], *, timeout: Timeout = DEFAULT,
-                   env: Mapping[str, str] | None = None, workdir: str | None = None,
-                   stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
-                   on_output: OutputCallback | None = None) -> ExecResult:
-        """:meth:`VM.exec <pytest_smolvm.handle.vm.VM.exec>`, awaited; cancelling the task kills the command."""
-        cancel = Cancel()
-        loop = _Loop()
-        callback = loop.wrap(on_output) if on_output is not None else None
-
-        def call() -> ExecResult:
-            return self.sync._exec(cmd, timeout=timeout, env=env, workdir=workdir, stdin=stdin, user=user,
-                                   check=check, on_output=callback, cancel=cancel)
-
-        return await loop.run(call, cancel)
-
-    async def read_file(self, path: str, *, max_bytes: int = DEFAULT_READ_LIMIT) -> bytes:
-        return await _Loop().run(lambda: self.sync.read_file(path, max_bytes=max_bytes))
-
-    async def write_file(self, path: str, data: str | bytes, *, mode: int | None = None) -> None:
-        await _Loop().run(lambda: self.sync.write_file(path, data, mode=mode))
-
-    async def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
-        await _Loop().run(lambda: self.sync.copy_in(src, dest))
-
-    async def copy_out(self, src: str, dest: str | os.PathLike[str], *, max_bytes: int | None = None,
-                       timeout: float | None = None) -> Path:
-        return await _Loop().run(lambda: self.sync.copy_out(src, dest, max_bytes=max_bytes, timeout=timeout))
+    exec = _awaited_exec(GuestHandle.exec)
+    read_file = _awaited(GuestHandle.read_file)
+    write_file = _awaited(GuestHandle.write_file)
+    copy_in = _awaited(GuestHandle.copy_in)
+    copy_out = _awaited(GuestHandle.copy_out)
 
 
 async def in_thread(fn: Callable[[], T]) -> T:

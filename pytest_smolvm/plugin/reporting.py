@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def plan_lines(plan: RunPlan) -> list[str]:
     """The run's one decision, and why: backend, isolation, baseline and its digest."""
     from pytest_smolvm.backends import backend_class
-    from pytest_smolvm.baselines.baseline import preparations
+    from pytest_smolvm.baselines.cache import preparations
 
     base = plan.baseline
     lines = [f"smolvm: backend {plan.backend} (isolation: {plan.isolation}; {plan.reason})",

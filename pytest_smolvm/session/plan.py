@@ -162,7 +162,7 @@ def resolve_baseline(requested: str | None, settings: Settings, backend: str, *,
     image, and checked; a bad one is a UsageError naming ``option``."""
     found = baselines.resolve(requested, settings.rootdir, option=option)
     if found.kind == "registry":  # the OCI client's imports (urllib, ssl: ~50 ms) only for an image
-        from pytest_smolvm.baselines.oci import pin_registry_image
+        from pytest_smolvm.baselines.oci.pull import pin_registry_image
 
         found = pin_registry_image(found, settings, backend, option=option, run_id=run_id)
     backend_class(backend).check_baseline(found, option=option)

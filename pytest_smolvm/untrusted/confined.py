@@ -10,7 +10,7 @@ CPU time, and loads a seccomp filter that refuses exec, fork, sockets, mounts, `
 ``chroot``. A flaw in the walker then still writes nothing outside the destination, and reads
 nothing outside it either.
 
-Errors come back as the same :class:`~pytest_smolvm.untrusted.hostfs.UnsafeArchive` messages as the
+Errors come back as the same :class:`~pytest_smolvm.untrusted.rules.UnsafeArchive` messages as the
 in-process walker raises.
 """
 
@@ -28,9 +28,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-import pytest_smolvm
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.untrusted import hostfs
+from pytest_smolvm.untrusted import hostfs, rules
 
 MEMORY_CAP = 1 << 30  # RLIMIT_AS of the helper: Python plus 1 MiB buffers and capped metadata
 GRACE = 30.0  # seconds the parent waits past the stream's own deadline before killing the helper
@@ -52,12 +51,12 @@ _BOOT = ("import sys; sys.path[:0] = sys.argv[1].split(':'); "
          "from pytest_smolvm.untrusted.confined import _child; _child()")
 
 
-def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: hostfs.Policy,
-            caps: hostfs.Caps | None = None) -> None:
+def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Policy,
+            caps: rules.Caps | None = None) -> None:
     """Unpack ``stream`` under the existing directory ``dest`` in the confined helper."""
-    caps = caps or hostfs.Caps()
+    caps = caps or rules.Caps()
     config = json.dumps({"policy": vars(policy), "caps": vars(caps)})
-    root_fd = os.open(dest, hostfs.DIR_FLAGS)
+    root_fd = os.open(dest, rules.DIR_FLAGS)
     direct = _pipe_fd(stream)
     read_end = write_end = -1
     if direct < 0:
@@ -80,7 +79,7 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: hostfs.Poli
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        raise hostfs.UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
+        raise rules.UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
                                    f"{caps.timeout:.0f}s; refused") from None
     except BaseException:
         child.kill()
@@ -96,11 +95,11 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: hostfs.Poli
     except (ValueError, IndexError, KeyError):
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
         message = f"{policy.what}: the unpacking helper failed: {tail[0][:300]}"
-    raise hostfs.UnsafeArchive(message)
+    raise rules.UnsafeArchive(message)
 
 
 def _import_paths() -> str:
-    paths = [str(Path(pytest_smolvm.__file__).resolve().parent.parent)]  # the package's own root
+    paths = [str(Path(__file__).resolve().parents[2])]  # the package's own root
     try:
         import pyseccomp
         paths.append(str(Path(pyseccomp.__file__).resolve().parent))
@@ -123,7 +122,7 @@ def _pipe_fd(stream: IO[bytes]) -> int:
 def _pump(stream: IO[bytes], fd: int) -> None:
     try:
         while True:
-            chunk = stream.read(hostfs.CHUNK)
+            chunk = stream.read(rules.CHUNK)
             if not chunk:
                 break
             view = memoryview(chunk)
@@ -140,8 +139,8 @@ def _pump(stream: IO[bytes], fd: int) -> None:
 
 def _child() -> None:
     root_fd, config = int(sys.argv[2]), json.loads(sys.argv[3])
-    policy = hostfs.Policy(**config["policy"])
-    caps = hostfs.Caps(**config["caps"])
+    policy = rules.Policy(**config["policy"])
+    caps = rules.Caps(**config["caps"])
     try:
         import pyseccomp
     except (ImportError, OSError):
@@ -157,7 +156,7 @@ def _child() -> None:
     os._exit(0)
 
 
-def _confine(root_fd: int, policy: hostfs.Policy, caps: hostfs.Caps, seccomp: Any) -> None:
+def _confine(root_fd: int, policy: rules.Policy, caps: rules.Caps, seccomp: Any) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(result: int, what: str) -> None:

@@ -19,15 +19,21 @@ CVE-2025-4330, CVE-2025-4138, CVE-2024-12718). The rules, checked by this module
 
 from __future__ import annotations
 
-import errno
 import os
-import select
 import stat
-import time
-from dataclasses import dataclass
 from typing import IO
 
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.untrusted.rules import (
+    CHUNK,
+    FILE_FLAGS,
+    HEADER_ALLOWANCE,
+    HOLE_MIN,
+    ZEROS,
+    BoundedReader,
+    Caps,
+    Policy,
+    UnsafeArchive,
+)
 from pytest_smolvm.untrusted.tarstream import (
     BLOCKDEV,
     CHARDEV,
@@ -40,102 +46,15 @@ from pytest_smolvm.untrusted.tarstream import (
     TarFormatError,
     TarReader,
 )
-
-DEFAULT_MAX_BYTES = 4 << 30  # what one copy_out may write to the host
-DEFAULT_MAX_MEMBERS = 1_000_000
-DEFAULT_TIMEOUT = 900.0  # seconds for one whole stream
-HEADER_ALLOWANCE = 1536  # stream bytes per member beyond its data: header, long-name and PAX blocks
-MAX_NAME = 4096
-MAX_LINK_HOPS = 40
-CHUNK = 1 << 20
-HOLE_MIN = 1 << 16  # zero runs at least this long (one read's worth) are left as holes
-ZEROS = bytes(CHUNK)
-DIR_CACHE = 64  # parent dir fds kept open at once
-FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+from pytest_smolvm.untrusted.walk import TreeWalker, _rmtree_at
 
 
-class UnsafeArchive(GuestError):
-    """A guest-made (or image) archive broke a rule; the message names the member."""
-
-
-@dataclass(frozen=True)
-class Caps:
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_members: int = DEFAULT_MAX_MEMBERS
-    timeout: float = DEFAULT_TIMEOUT
-
-
-class BoundedReader:
-    """A stream with a byte cap and a deadline on every read.
-
-    A pipe or socket is polled and read with ``os.read`` (one read returns what is there; a
-    buffered ``read(n)`` would block until n bytes came): hand it a stream nothing has read yet.
-    """
-
-    def __init__(self, raw: IO[bytes], *, max_bytes: int, timeout: float, what: str) -> None:
-        self._raw = raw
-        self._left = max_bytes
-        self._max = max_bytes
-        self._timeout = timeout
-        self._deadline = time.monotonic() + timeout
-        self._what = what
-        try:
-            fd = raw.fileno()
-            mode = os.fstat(fd).st_mode
-            self._fd = fd if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else -1
-        except (AttributeError, OSError, ValueError):
-            self._fd = -1
-
-    @property
-    def is_pipe(self) -> bool:
-        return self._fd >= 0
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = CHUNK
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._late()
-        size = min(size, self._left + 1)
-        if self._fd >= 0:
-            ready = select.poll()
-            ready.register(self._fd, select.POLLIN)
-            if not ready.poll(int(remaining * 1000) + 1):
-                raise self._late()
-            data = os.read(self._fd, size)
-        else:
-            data = self._raw.read(size)
-        self._left -= len(data)
-        if self._left < 0:
-            raise UnsafeArchive(f"{self._what}: more than {self._max} bytes (the cap); refused")
-        return data
-
-    def _late(self) -> UnsafeArchive:
-        return UnsafeArchive(f"{self._what}: the guest's stream took longer than {self._timeout:.0f}s; refused")
-
-
-@dataclass
-class Policy:
-    """What a kind of stream may contain and how its members land."""
-
-    what: str  # how errors name the operation
-    # Every member must be this name or under it ("" for any), or be named relative to the
-    # copied tree (".", "./sub"), which puts it under this name.
-    prefix: str = ""
-    layer: bool = False  # an image layer: whiteouts, owners, full modes, in-tree links followed
-    squash_owner: bool = False
-    # A layer a guest wrote (a warm export): normalised like a copy, bar owners and links (see _mode).
-    guest_export: bool = False
-
-
-class Extractor:
+class Extractor(TreeWalker):
     """One stream unpacked under ``dest`` (an existing directory); see the module docstring."""
 
     def __init__(self, dest: str | os.PathLike[str], policy: Policy, caps: Caps) -> None:
-        self.policy = policy
+        super().__init__(dest, policy)
         self.caps = caps
-        self.root_fd = os.open(dest, DIR_FLAGS)
         self.written = 0
         self.members = 0
         self.regular: set[str] = set()  # regular files this stream made, for hard links
@@ -144,122 +63,7 @@ class Extractor:
         self.as_root = hasattr(os, "geteuid") and os.geteuid() == 0
         self.owners_used = policy.layer and self.as_root and not policy.squash_owner
         self.umask = _umask()
-        self._dirs: dict[tuple[str, ...], int] = {}  # parent dirs walked, by their parts
-        self._stale: list[int] = []
-        self._last_head: str | None = None  # the last checked name's dir part, and its parts
-        self._last_parts: list[str] = []
         self.symlinks: list[tuple[list[str], str]] = []  # copy_out's links, judged on the final tree
-
-    def close(self) -> None:
-        for fd in [*self._dirs.values(), *self._stale]:
-            os.close(fd)
-        os.close(self.root_fd)
-
-    # ---------------------------------------------------------------- names and walking
-
-    def _refuse(self, name: str, why: str) -> UnsafeArchive:
-        return UnsafeArchive(f"{self.policy.what}: refused {name!r}: {why}")
-
-    def _parts(self, raw_name: str) -> list[str]:
-        """A member name as path components; anything that could leave the tree is refused."""
-        head, _, base = raw_name.rpartition("/")
-        if head == self._last_head and base not in ("", ".", "..") and len(raw_name) <= MAX_NAME \
-                and "\0" not in base:
-            # The same dir as the last name: every check below depends on the head alone.
-            return [*self._last_parts, base]
-        parts = self._check_parts(raw_name)
-        if len(parts) >= 2 and parts[-1] == base:
-            self._last_head, self._last_parts = head, parts[:-1]
-        return parts
-
-    def _check_parts(self, raw_name: str) -> list[str]:
-        if len(raw_name) > MAX_NAME or "\0" in raw_name:
-            raise self._refuse(raw_name[:200], "name too long or not a path")
-        name = raw_name
-        if self.policy.layer:
-            name = name.lstrip("/")
-        elif name.startswith("/"):
-            raise self._refuse(raw_name, "absolute name")
-        parts = [p for p in name.split("/") if p not in ("", ".")]
-        if ".." in parts:
-            if self.policy.layer:
-                raise UnsafeArchive(f"archive member {raw_name!r} points outside the rootfs")
-            raise self._refuse(raw_name, "'..' in its name")
-        prefix = self.policy.prefix
-        if prefix and (name == "." or name.startswith("./")):
-            return [prefix, *parts]  # named relative to the copied tree (a guest's own tar)
-        if prefix and (not parts or parts[0] != prefix):
-            raise self._refuse(raw_name, "unexpected member")
-        return parts
-
-    def _open_dir(self, parts: list[str], name: str, *, create: bool, follow: bool | None = None) -> int:
-        """An fd of the directory ``parts`` names, walked from the root without following links.
-
-        In a layer, a symlink whose target (resolved here, within the tree) is an existing
-        directory is followed: images have ``/lib -> usr/lib``. Nothing else is.
-        """
-        follow = self.policy.layer if follow is None else follow
-        fd = os.dup(self.root_fd)
-        stack: list[str] = []
-        queue = list(parts)
-        hops = 0
-        try:
-            while queue:
-                comp = queue.pop(0)
-                if comp in ("", "."):
-                    continue
-                if comp == "..":  # only from a link target, in a layer: clamped at the root
-                    if stack:
-                        stack.pop()
-                    os.close(fd)
-                    fd = self._reopen(stack)
-                    continue
-                try:
-                    next_fd = os.open(comp, DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create or hops:
-                        raise self._through_link(name) if hops else self._refuse(name, "no such directory") from None
-                    os.mkdir(comp, 0o755, dir_fd=fd)
-                    next_fd = os.open(comp, DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                        raise
-                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
-                    if not stat.S_ISLNK(st.st_mode) or not follow:
-                        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-                        raise self._refuse(name, f"its parent {'/'.join([*stack, comp])!r} is {what}") from None
-                    hops += 1
-                    if hops > MAX_LINK_HOPS:
-                        raise self._through_link(name) from None
-                    target = os.readlink(comp, dir_fd=fd)
-                    if target.startswith("/"):
-                        stack = []
-                        os.close(fd)
-                        fd = os.dup(self.root_fd)
-                    queue = [p for p in target.split("/") if p] + queue
-                    continue
-                os.close(fd)
-                fd = next_fd
-                stack.append(comp)
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _reopen(self, stack: list[str]) -> int:
-        fd = os.dup(self.root_fd)
-        for comp in stack:
-            try:
-                next_fd = os.open(comp, DIR_FLAGS, dir_fd=fd)
-            finally:
-                os.close(fd)
-            fd = next_fd
-        return fd
-
-    def _through_link(self, name: str) -> UnsafeArchive:
-        return UnsafeArchive(f"archive member {name!r} would be written through a link to outside the rootfs")
-
-    # ---------------------------------------------------------------- members
 
     def run(self, tar: TarReader) -> None:
         for member in tar:
@@ -306,25 +110,6 @@ class Extractor:
         finally:
             while self._stale:  # forgotten while this member still used its parent's fd
                 os.close(self._stale.pop())
-
-    def _parent(self, parts: list[str], name: str) -> int:
-        """The fd of a member's parent dir, walked once and kept while nothing is removed.
-
-        Tar streams list a directory's entries together, so most members reuse the last walk.
-        An fd names the directory itself: only a removal (which empties this cache) can make
-        a walked path mean another directory, and nothing else changes what a path resolves to.
-        """
-        key = tuple(parts[:-1])
-        fd = self._dirs.get(key)
-        if fd is None:
-            if len(self._dirs) >= DIR_CACHE:
-                self._forget()
-            fd = self._dirs[key] = self._open_dir(parts[:-1], name, create=True)
-        return fd
-
-    def _forget(self) -> None:
-        self._stale.extend(self._dirs.values())
-        self._dirs.clear()
 
     def _mode(self, member: Member) -> int:
         mode = member.mode
@@ -509,81 +294,6 @@ class Extractor:
                 os.close(fd)
 
 
-    def _resolves_inside(self, parts: list[str]) -> bool:
-        """Whether the link at ``parts`` stays in the copied tree, resolved as the kernel would.
-
-        Spelling is not enough: with ``d/up -> ..``, ``d/up/d/up/../..`` climbs two levels for
-        one ``d/up`` it names. So every component is looked up in the finished tree (links the
-        stream made before or after this one included) and each link met is expanded in turn.
-        A component that does not exist is taken lexically, which can only climb less than the
-        kernel would let it (the kernel stops there).
-        """
-        top = 1 if self.policy.prefix else 0
-        stack = parts[:-1]
-        if len(stack) < top:
-            return False
-        fd = self._dirs_fd(stack)
-        if fd < 0:
-            return False
-        try:
-            queue = os.readlink(parts[-1], dir_fd=fd).split("/")
-        except OSError:
-            return True  # replaced by a later member that is no link
-        finally:
-            os.close(fd)
-        hops = 0
-        while queue:
-            comp = queue.pop(0)
-            if comp in ("", "."):
-                continue
-            if comp == "..":
-                if len(stack) <= top:
-                    return False
-                stack.pop()
-                continue
-            fd = self._dirs_fd(stack)
-            st = None
-            if fd >= 0:
-                try:
-                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
-                    if stat.S_ISLNK(st.st_mode):
-                        target = os.readlink(comp, dir_fd=fd)
-                        hops += 1
-                        if hops > MAX_LINK_HOPS or target.startswith("/"):
-                            return False
-                        queue = [*target.split("/"), *queue]
-                        continue
-                except FileNotFoundError:
-                    pass
-                finally:
-                    os.close(fd)
-            stack.append(comp)
-        return True
-
-    def _dirs_fd(self, stack: list[str]) -> int:
-        """An fd of the real directory ``stack`` names, no link followed; -1 if there is none."""
-        try:
-            return self._open_dir(stack, "/".join(stack), create=False, follow=False)
-        except (UnsafeArchive, OSError):
-            return -1
-
-
-def _rmtree_at(parent_fd: int, base: str) -> None:
-    """Remove the directory ``base`` under ``parent_fd``: fds all the way down, no link followed."""
-    fd = os.open(base, DIR_FLAGS, dir_fd=parent_fd)
-    try:
-        os.fchmod(fd, 0o700)  # a 0555 dir from the stream must not keep its entries
-        for entry in os.listdir(fd):
-            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _rmtree_at(fd, entry)
-            else:
-                os.unlink(entry, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(base, dir_fd=parent_fd)
-
-
 def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
     """A symlink made by copy_out must point inside the copied tree itself, lexically."""
     if not linkname or linkname.startswith("/"):
@@ -599,6 +309,7 @@ def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
         else:
             depth.append(part)
     return not prefix or (bool(depth) and depth[0] == prefix)
+
 
 
 def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, caps: Caps | None = None) -> None:
@@ -620,6 +331,7 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, cap
         extractor.close()
 
 
+
 def _umask() -> int:
     """This process's umask, read without setting it (os.umask would race other threads)."""
     try:
@@ -630,3 +342,4 @@ def _umask() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0o777  # unknown: always chmod
+

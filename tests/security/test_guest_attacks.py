@@ -28,7 +28,8 @@ import pytest
 
 from pytest_smolvm.backends.base import DEFAULT_DISK_MB, VMSpec
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
-from pytest_smolvm.baselines.baseline import Baseline, apply_layer, tree_digest
+from pytest_smolvm.baselines.archive import apply_layer
+from pytest_smolvm.baselines.baseline import Baseline, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.baselines.baseline import Baseline, apply_layer
+from pytest_smolvm.baselines.archive import apply_layer
+from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.handle.aio import AsyncVM
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import paths
-from pytest_smolvm.untrusted import hostfs
+from pytest_smolvm.untrusted import hostfs, rules
 
 PAYLOAD = "payload"
 
@@ -45,8 +46,8 @@ def _tar(*members: tuple[str, bytes, str, int], fmt: int = tarfile.GNU_FORMAT) -
     return buffer.getvalue()
 
 
-def _copy(data: bytes, dest: Path, caps: hostfs.Caps | None = None) -> Path:
-    hostfs.extract(io.BytesIO(data), dest, hostfs.Policy("copy_out", prefix=PAYLOAD), caps)
+def _copy(data: bytes, dest: Path, caps: rules.Caps | None = None) -> Path:
+    hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD), caps)
     return dest / PAYLOAD
 
 
@@ -68,7 +69,7 @@ def test_the_issue_repro_link_through_a_dotdot_link_is_refused(tmp_path: Path, c
     dest.mkdir(parents=True)
     data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/d", tarfile.DIRTYPE, "", 0o755),
                 (f"{PAYLOAD}/d/up", tarfile.SYMTYPE, "..", 0o777), (f"{PAYLOAD}/evil", tarfile.SYMTYPE, EVIL, 0o777))
-    with pytest.raises(hostfs.UnsafeArchive, match=r"evil.*resolves outside"):
+    with pytest.raises(rules.UnsafeArchive, match=r"evil.*resolves outside"):
         _copy(data, dest)
 
 
@@ -79,7 +80,7 @@ def test_a_link_made_later_cannot_turn_an_earlier_one_outward(tmp_path: Path, ca
     data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/a/b", tarfile.DIRTYPE, "", 0o755),
                 (f"{PAYLOAD}/evil", tarfile.SYMTYPE, "a/b/up/../../../host/passwd", 0o777),
                 (f"{PAYLOAD}/a/b/up", tarfile.SYMTYPE, "..", 0o777))
-    with pytest.raises(hostfs.UnsafeArchive, match=r"evil.*resolves outside"):
+    with pytest.raises(rules.UnsafeArchive, match=r"evil.*resolves outside"):
         _copy(data, dest)
 
 
@@ -180,7 +181,7 @@ def test_metadata_headers_before_one_member_are_bounded_in_total() -> None:
     dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"pax-{uuid.uuid4().hex}"
     dest.mkdir()
     try:
-        with pytest.raises(hostfs.UnsafeArchive, match="before one member"):
+        with pytest.raises(rules.UnsafeArchive, match="before one member"):
             _copy(data, dest)
     finally:
         for p in sorted(dest.rglob("*"), reverse=True):
@@ -238,13 +239,13 @@ _ESCAPE = """
 import os, socket, sys
 sys.path[:0] = sys.argv[1].split(":")
 from pytest_smolvm.untrusted import confined
-from pytest_smolvm.untrusted import hostfs
+from pytest_smolvm.untrusted import rules
 try:
     import pyseccomp
 except ImportError:
     pyseccomp = None
 fd = os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY)
-confined._confine(fd, hostfs.Policy("test", prefix="payload"), hostfs.Caps(), pyseccomp)
+confined._confine(fd, rules.Policy("test", prefix="payload"), rules.Caps(), pyseccomp)
 found = []
 for attempt, action in [
     ("read-host-file", lambda: open(sys.argv[3]).read()),

@@ -27,7 +27,9 @@ from typing import Any
 
 from pytest_smolvm.backends.base import Cancel, OutputCallback, VMSpec
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
-from pytest_smolvm.baselines.baseline import Baseline, apply_layer, force_rmtree
+from pytest_smolvm.baselines.archive import apply_layer
+from pytest_smolvm.baselines.baseline import Baseline
+from pytest_smolvm.baselines.cache import force_rmtree
 from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError, SmolVMError
 from tests.smolcloud import wire
 from tests.smolcloud.faults import Faults

@@ -37,7 +37,9 @@ from pytest_smolvm.backends.base import (
 from pytest_smolvm.backends.namespace import cgroups, seccomp
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
-from pytest_smolvm.baselines.baseline import Baseline, Rootfs, apply_layer, prepare_derived, unpack
+from pytest_smolvm.baselines.archive import apply_layer
+from pytest_smolvm.baselines.baseline import Baseline, Rootfs
+from pytest_smolvm.baselines.cache import prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import runtime_dir
 from pytest_smolvm.host.procs import process_start_time, wait_gone
@@ -446,7 +448,7 @@ class NamespaceBackend:
                              ".tar.zst), a docker-save/OCI archive or a registry image")
         if baseline.kind == "registry" and baseline.path is None:
             raise UsageError(f"{option}={baseline.reference}: a registry image must be pinned and pulled "
-                             "first (pytest_smolvm.baselines.oci.resolve_image)")
+                             "first (pytest_smolvm.baselines.oci.pull.resolve_image)")
 
     def prepare_run(self, baseline: Baseline) -> dict[str, str]:
         self.rootfs(baseline)  # unpacked once per host, here rather than inside the first test

@@ -308,7 +308,7 @@ class SmolBackend:
             self.check_baseline(baseline)
             return str(baseline.path)
         if baseline.kind == "rootfs-tar":
-            from pytest_smolvm.baselines.baseline import unpack
+            from pytest_smolvm.baselines.cache import unpack
 
             # smolmachines boots a rootfs directory but not a plain rootfs tarball.
             return str(unpack(baseline).path)

@@ -37,7 +37,7 @@ from pytest_smolvm.backends.smol import handle as smol_handle
 from pytest_smolvm.backends.smol.common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
 from pytest_smolvm.backends.smol.sdk import exec_cancellable, remove_fork_lock, vm_data_dir
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.untrusted import hostfs
+from pytest_smolvm.untrusted import rules
 
 if TYPE_CHECKING:
     from smol import Machine
@@ -372,14 +372,14 @@ class SmolGuest:
         """A guest file read whole (the SDK has no ranged read), refused past copy_out's byte cap."""
         from smol import SmolError
 
-        if size is not None and size > hostfs.DEFAULT_MAX_BYTES:
-            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        if size is not None and size > rules.DEFAULT_MAX_BYTES:
+            raise GuestError(f"{what}: more than {rules.DEFAULT_MAX_BYTES} bytes (the cap); refused")
         try:
             data = self._machine.read_file(path)
         except SmolError as exc:
             raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
-        if len(data) > hostfs.DEFAULT_MAX_BYTES + hostfs.HEADER_ALLOWANCE * 1024:
-            raise GuestError(f"{what}: more than {hostfs.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        if len(data) > rules.DEFAULT_MAX_BYTES + rules.HEADER_ALLOWANCE * 1024:
+            raise GuestError(f"{what}: more than {rules.DEFAULT_MAX_BYTES} bytes (the cap); refused")
         return bytes(data)
 
     def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:

@@ -37,7 +37,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import pytest_smolvm
 from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 from pytest_smolvm.host.paths import cache_dir
@@ -243,7 +242,7 @@ def remember(report: BootReport) -> None:
 def _child_env() -> dict[str, str]:
     """This environment plus the path that makes this package importable in the child."""
     env = dict(os.environ)
-    package_root = str(Path(pytest_smolvm.__file__).resolve().parent.parent)  # the package's own root
+    package_root = str(Path(__file__).resolve().parents[3])  # the package's own root
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -15,7 +15,7 @@ import platform
 import re
 from http.client import HTTPException
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from pytest_smolvm.baselines.oci import store
 from pytest_smolvm.baselines.oci.client import Client, RegistryError
@@ -25,7 +25,6 @@ from pytest_smolvm.plugin.progress import Progress, megabytes
 
 if TYPE_CHECKING:
     from pytest_smolvm.baselines.baseline import Baseline
-    from pytest_smolvm.session.settings import Settings
 
 MAX_CONFIG = 8 << 20
 LAYER_TYPES = ("application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
@@ -42,7 +41,17 @@ def host_platform() -> tuple[str, str]:
     return _ARCH.get(machine, (machine, ""))
 
 
-def pin_registry_image(found: Baseline, settings: Settings, backend: str, *, option: str = "--smol-baseline",
+class PullSettings(Protocol):
+    """What a pull needs of the run's settings (``Settings`` has both)."""
+
+    @property
+    def registry_auth(self) -> str | None: ...
+
+    @property
+    def offline(self) -> bool: ...
+
+
+def pin_registry_image(found: Baseline, settings: PullSettings, backend: str, *, option: str = "--smol-baseline",
                        run_id: str | None = None) -> Baseline:
     """``found`` (from :func:`pytest_smolvm.baselines.baseline.resolve`), pinned and pulled if it is a registry
     image for a backend that unpacks images on this host: every backend but smol, whose engine
@@ -52,7 +61,7 @@ def pin_registry_image(found: Baseline, settings: Settings, backend: str, *, opt
     return resolve_image(found.reference, settings, run_id=run_id, option=option)
 
 
-def resolve_image(reference: str, settings: Settings, *, run_id: str | None = None,
+def resolve_image(reference: str, settings: PullSettings, *, run_id: str | None = None,
                   option: str = "--smol-baseline") -> Baseline:
     """Pin ``reference`` to a digest and make sure everything needed to unpack it is cached.
 
@@ -232,7 +241,7 @@ def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
     Each layer is hashed again as it is extracted, so a blob damaged in the cache since it
     was pulled fails the unpack (whose staging dir the caller removes) instead of being used.
     """
-    from pytest_smolvm.baselines.baseline import _decompressed, apply_layer
+    from pytest_smolvm.baselines.archive import apply_layer, decompressed
     from pytest_smolvm.errors import UsageError
 
     try:
@@ -252,7 +261,7 @@ def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
             with open(store.blob_path(layer["digest"]), "rb") as f:
                 reader = store.HashingReader(f, on_bytes)
                 try:
-                    apply_layer(_decompressed(reader), dest, squash_owner=False)  # type: ignore[arg-type]
+                    apply_layer(decompressed(reader), dest, squash_owner=False)  # type: ignore[arg-type]
                 except UsageError:
                     # A damaged cached blob can break the stream before its end is read (a bad
                     # gzip trailer): the digest says whether the cache, not the image, is at fault.

@@ -1,0 +1,156 @@
+"""The host's cache of unpacked baselines: each digest unpacked once per host, and derived ones.
+
+Unpacking happens once per host per digest, under a file lock, into a temporary dir that is
+renamed into place: concurrent first use from several processes is safe, and an interrupted
+unpack never leaves a half tree that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pytest_smolvm.baselines.archive import apply_layer, open_maybe_compressed, unpack_image_archive
+from pytest_smolvm.baselines.baseline import Baseline, Rootfs
+from pytest_smolvm.errors import UsageError
+from pytest_smolvm.host.paths import cache_dir
+
+
+def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
+    """The baseline as a rootfs tree, unpacked at most once per host per digest."""
+    if baseline.kind == "registry" and baseline.path is None:
+        raise UsageError(f"--smol-baseline={baseline.reference}: a registry reference must be pinned "
+                         "(pytest_smolvm.baselines.oci.pull.resolve_image) before it can be unpacked")
+    assert baseline.path is not None
+    if baseline.kind == "rootfs-dir":
+        return Rootfs(baseline.path)
+    if baseline.kind not in ("bundled", "rootfs-tar", "image-archive", "registry"):
+        raise UsageError(f"--smol-baseline={baseline.reference}: a {baseline.kind} baseline needs the smol backend")
+    store = cache_dir() / "baselines"
+    # A registry baseline's digest may name a multi-platform index: the tree is this host's manifest.
+    key = (baseline.path.name if baseline.kind == "registry" else baseline.digest.split(":", 1)[-1])[:32]
+    final = store / key
+    # A finished tree comes into place whole (a staging dir renamed, image.json written inside it
+    # first) and nothing removes one, so a hit needs no lock: every run but a host's first takes
+    # this path, without importing filelock (~16 ms on the way to a run's first guest).
+    if (final / "image.json").is_file():
+        return _load_rootfs(final)
+    store.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(store / f"{key}.lock")):
+        if (final / "image.json").is_file():
+            return _load_rootfs(final)
+        started = time.monotonic()
+        staging = store / f".unpack-{key}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            (staging / "rootfs").mkdir(parents=True)
+            if baseline.kind == "registry":
+                from pytest_smolvm.baselines.oci.pull import unpack_image
+
+                config = unpack_image(baseline.path, staging / "rootfs", baseline.reference)
+            elif baseline.kind == "image-archive":
+                config = unpack_image_archive(baseline.path, staging / "rootfs")
+            else:
+                with open_maybe_compressed(baseline.path) as stream:
+                    apply_layer(stream, staging / "rootfs", squash_owner=baseline.kind == "bundled")
+                config = {}
+            (staging / "image.json").write_text(json.dumps({
+                "reference": baseline.reference, "digest": baseline.digest,
+                "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/",
+                "user": config.get("User") or ""}))
+            os.replace(staging, final)
+        except BaseException:
+            force_rmtree(staging)
+            raise
+        elapsed = time.monotonic() - started
+        _log_preparation(store, baseline, elapsed, by)
+        return _load_rootfs(final)
+
+
+def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None], *,
+                    by: str = "main") -> Rootfs:
+    """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
+
+    Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
+    line in the preparations log. It inherits the parent's environment and workdir.
+    """
+    store = cache_dir() / "baselines"
+    final = store / f"warm-{key[:32]}"
+    if (final / "image.json").is_file():
+        return _load_rootfs(final)  # no lock for a hit: see unpack
+    store.mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(store / f"warm-{key[:32]}.lock")):
+        if (final / "image.json").is_file():
+            return _load_rootfs(final)
+        started = time.monotonic()
+        staging = store / f".warm-{key[:32]}-{os.getpid()}"
+        force_rmtree(staging)
+        try:
+            (staging / "rootfs").mkdir(parents=True)
+            capture(staging / "rootfs")
+            (staging / "image.json").write_text(json.dumps({
+                "reference": f"{parent.reference} + setup", "digest": f"sha256:{key}", "parent": parent.digest,
+                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir,
+                "user": parent_rootfs.user}))
+            os.replace(staging, final)
+        except BaseException:
+            force_rmtree(staging)
+            raise
+        elapsed = time.monotonic() - started
+        _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
+                         elapsed, by)
+        return _load_rootfs(final)
+
+
+PREPARATIONS = "preparations.jsonl"
+
+
+def _log_preparation(store: Path, baseline: Baseline, seconds: float, by: str) -> None:
+    """One line per unpack ever done on this host: who did it and how long it took."""
+    line = json.dumps({"digest": baseline.digest, "reference": baseline.reference, "pid": os.getpid(),
+                       "worker": by, "seconds": round(seconds, 3),
+                       "at": time.time()}) + "\n"
+    with open(store / PREPARATIONS, "a") as f:
+        f.write(line)
+
+
+def preparations(digest: str) -> list[dict[str, Any]]:
+    """Every recorded preparation of ``digest`` on this host, oldest first."""
+    try:
+        lines = (cache_dir() / "baselines" / PREPARATIONS).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("digest") == digest:
+            found.append(entry)
+    return found
+
+
+def _load_rootfs(final: Path) -> Rootfs:
+    meta = json.loads((final / "image.json").read_text())
+    env = dict(item.split("=", 1) for item in meta["env"] if "=" in item)
+    return Rootfs(final / "rootfs", env, meta["workdir"], str(meta.get("user") or ""))
+
+
+def force_rmtree(path: Path) -> None:
+    def make_writable(func: Any, failed: str, _exc: Any) -> None:
+        os.chmod(os.path.dirname(failed), 0o700)
+        func(failed)
+
+    if path.exists():
+        shutil.rmtree(path, onerror=make_writable)
+

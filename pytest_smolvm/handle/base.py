@@ -1,0 +1,277 @@
+"""A guest's operations, written once: :class:`GuestHandle` is what ``VM`` and ``AsyncVM`` share.
+
+Backend-agnostic: all guest I/O goes through a :class:`~pytest_smolvm.backends.base.Guest`. The
+async twin (:mod:`.aio`) is built from these methods, so both take the same parameters, with the
+same defaults and errors, by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import posixpath
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.session.settings import DEFAULT_OUTPUT_LIMIT, guest_timeout
+from pytest_smolvm.untrusted import confined, rules
+
+if TYPE_CHECKING:
+    from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback
+
+from pytest_smolvm.handle.result import (
+    DEFAULT,
+    DEFAULT_READ_LIMIT,
+    ExecResult,
+    Timeout,
+    TranscriptEntry,
+    _Omitted,
+    _tail,
+)
+
+PAYLOAD = "payload"
+
+
+class GuestHandle:
+    """One guest's operations; every method talks to that guest only."""
+
+    def __init__(self, guest: Guest, *, default_timeout: float | None = None,
+                 backend: str = "", isolation: str = "", baseline: str = "", digest: str = "",
+                 user: str | int | None = None, output_limit: int = DEFAULT_OUTPUT_LIMIT) -> None:
+        self._guest = guest
+        self.default_timeout = default_timeout
+        self.user = user  # every exec and file operation runs as this guest user (None: the image's)
+        self.output_limit = output_limit
+        self.backend = backend
+        self.isolation = isolation
+        self.baseline = baseline
+        self.digest = digest
+        self.transcript: list[TranscriptEntry] = []
+
+    @property
+    def name(self) -> str:
+        return self._guest.name
+
+    @property
+    def workdir(self) -> str:
+        """The guest's working directory (the image's ``WorkingDir``, else ``/``): relative
+        guest paths and a relative ``workdir`` resolve against it."""
+        return str(getattr(self._guest, "workdir", None) or "/")
+
+    # ------------------------------------------------------------------ exec
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: Timeout = DEFAULT,
+             env: Mapping[str, str] | None = None, workdir: str | None = None,
+             stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
+             on_output: OutputCallback | None = None) -> ExecResult:
+        """Run ``cmd`` in the guest: a string through ``/bin/sh -c``, a list as argv.
+
+        ``timeout`` (seconds; omitted: the marker's ``timeout``; ``None``: no limit) kills the
+        command's process group in the guest and returns ``timed_out=True``; the test process
+        is untouched. ``user`` (name or uid in the guest) runs it as that user. ``on_output``
+        gets ``("stdout" | "stderr", bytes)`` chunks as they arrive. An argv whose program is
+        missing or not executable raises ``FileNotFoundError``/``PermissionError``.
+        """
+        return self._exec_cancellable(cmd, timeout=timeout, env=env, workdir=workdir, stdin=stdin, user=user,
+                          check=check, on_output=on_output, cancel=None)
+
+    def _exec_cancellable(self, cmd: str | Sequence[str], *, timeout: Timeout = DEFAULT,
+                          env: Mapping[str, str] | None = None, workdir: str | None = None,
+                          stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
+                          on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> ExecResult:
+        """:meth:`exec`, plus a :class:`Cancel` that kills the command (the async twin's)."""
+        if isinstance(cmd, str):
+            argv, shown = ["/bin/sh", "-c", cmd], cmd
+        else:
+            argv = [os.fspath(a) for a in cmd]
+            if not argv:
+                raise ValueError("exec: cmd is an empty list")
+            shown = " ".join(argv)
+        limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
+        if limit is not None:  # checked before the command starts: nothing runs on a bad timeout
+            limit = guest_timeout("exec: timeout", limit)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        run_as = user if user is not None else self.user
+        started = time.monotonic()
+        try:
+            raw = self._guest.exec(
+                argv, env=dict(env or {}), workdir=self._guest_path(workdir, "exec") if workdir else None,
+                stdin=data, timeout=limit, output_limit=self.output_limit,
+                user=None if run_as is None else str(run_as), on_output=on_output, cancel=cancel)
+        except Exception as exc:
+            self.transcript.append(TranscriptEntry(shown, None, time.monotonic() - started, error=str(exc)))
+            raise
+        result = ExecResult(shown, raw.exit_code, raw.stdout.decode("utf-8", "replace"),
+                            raw.stderr.decode("utf-8", "replace"), time.monotonic() - started,
+                            raw.timed_out, raw.stdout, raw.stderr, raw.truncated)
+        self.transcript.append(TranscriptEntry(shown, result.exit_code, result.duration,
+                                               _tail(result.stdout), _tail(result.stderr), result.timed_out,
+                                               error="cancelled" if raw.cancelled else ""))
+        return result.check() if check else result
+
+    # ------------------------------------------------------------------ files
+
+    def write_file(self, path: str, data: str | bytes, *, mode: int | None = None) -> None:
+        """Write ``data`` (text is UTF-8 encoded) to ``path`` in the guest, creating parent dirs.
+
+        Guest refusals raise ``OSError`` subclasses (``PermissionError``, ...) naming the path.
+        """
+        path = self._guest_path(path, "write_file")
+        self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode,
+                               user=self._user())
+
+    def read_file(self, path: str, *, max_bytes: int = DEFAULT_READ_LIMIT) -> bytes:
+        """The bytes of guest file ``path``; a file over ``max_bytes`` raises ``OSError(EFBIG)``."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"read_file: max_bytes must be a positive integer, got {max_bytes!r}")
+        path = self._guest_path(path, "read_file")
+        return self._guest.read_file(path, max_bytes=max_bytes, user=self._user())
+
+    def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
+        """Copy a host file or tree to ``dest`` in the guest (modes kept, links copied as links)."""
+        dest = self._guest_path(dest, "copy_in")
+        source = Path(src)
+        if not source.exists() and not source.is_symlink():
+            raise FileNotFoundError(f"copy_in: no such host file or directory: {source}")
+        parent, base = os.path.split(dest.rstrip("/") or "/")
+        if not base:
+            raise ValueError("copy_in: dest must name a file or directory, not /")
+
+        if source.is_dir() and not source.is_symlink():
+            # A tree is extracted *into* dest ("." carries the tree's own mode onto dest).
+            target_dir, arcname = dest.rstrip("/"), "."
+        else:
+            target_dir, arcname = parent or "/", base
+
+        def produce(out: IO[bytes]) -> None:
+            if arcname == "." and _host_gnu_tar() and _tar_with_gnu_tar(source, out):
+                return
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(source, arcname=arcname, recursive=True, filter=_owned_by_guest_root)
+
+        self._guest.put_archive(target_dir, produce, user=self._user())
+
+    def copy_out(self, src: str, dest: str | os.PathLike[str], *, max_bytes: int | None = None,
+                 timeout: float | None = None) -> Path:
+        """Copy a guest file or tree to ``dest`` on the host; returns where the copy is.
+
+        ``dest`` names the copy, unless it is an existing directory: then the copy goes inside
+        it, under ``src``'s own name (``copy_out("/work/out", ".")`` makes ``./out``), and a
+        directory already there by that name is replaced, as a file is.
+
+        The guest controls what arrives, so it is unpacked by :mod:`pytest_smolvm.untrusted.hostfs`'s
+        rules: nothing is written outside ``dest``, no guest-made link is followed, links that
+        point outside the copied tree, devices and FIFOs are refused, and at most ``max_bytes``
+        (default 4 GiB) arrive within ``timeout`` seconds (default 900).
+        """
+        src = self._guest_path(src, "copy_out")
+        defaults = rules.Caps()
+        caps = rules.Caps(
+            max_bytes=defaults.max_bytes if max_bytes is None else int(_positive_limit(max_bytes, "copy_out")),
+            timeout=defaults.timeout if timeout is None else _positive_limit(timeout, "copy_out", "timeout"))
+        target = Path(dest)
+        if target.is_symlink():
+            raise GuestError(f"copy_out: destination {target} is a symlink; refusing to write through it")
+        if target.is_dir():
+            # Into an existing directory, as cp and docker cp do: replacing it instead would
+            # empty "." (staging dir included) or a whole project for a copy_out(src, ".").
+            name = posixpath.basename(src.rstrip("/"))
+            if not name or name in (".", ".."):
+                raise GuestError(f"copy_out: {src} has no name to give its copy inside the directory {target}")
+            target = target / name
+            if target.is_symlink():
+                raise GuestError(f"copy_out: destination {target} is a symlink; refusing to write through it")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".smolvm-copy-", dir=target.parent))
+        try:
+            def consume(stream: IO[bytes]) -> None:
+                confined.extract(stream, staging, rules.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
+
+            self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
+            payload = staging / PAYLOAD
+            if not payload.exists() and not payload.is_symlink():
+                raise GuestError(f"copy_out: the guest sent nothing for {src}")
+            if target.exists() and target.is_dir() and payload.is_dir():
+                shutil.rmtree(target)
+            elif target.exists() and target.is_dir():
+                raise GuestError(f"copy_out: {target} is a directory but {src} is not")
+            os.replace(payload, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def _user(self) -> str | None:
+        return None if self.user is None else str(self.user)
+
+    def _guest_path(self, path: str, what: str) -> str:
+        """``path`` as the guest sees it: a relative one is taken from :attr:`workdir`."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{what}: guest path must be a non-empty string, got {path!r}")
+        return path if path.startswith("/") else posixpath.join(self.workdir, path)
+
+    # ------------------------------------------------------------------ logs
+
+    def logs(self) -> str:
+        """The guest's own logs so far, followed by the exec transcript."""
+        parts = []
+        guest_logs = self._guest.logs()
+        if guest_logs:
+            parts.append(guest_logs.rstrip("\n"))
+        parts.append(self.transcript_text())
+        return "\n".join(parts)
+
+    def transcript_text(self) -> str:
+        if not self.transcript:
+            return "(no commands were run in this guest)"
+        return "\n".join(entry.render() for entry in self.transcript)
+
+
+@functools.cache
+def _host_gnu_tar() -> str | None:
+    """The host's GNU tar, if any: ~10x faster than tarfile per member on the trees tests copy."""
+    path = shutil.which("tar")
+    if path is None:
+        return None
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "GNU tar" in version else None
+
+
+def _tar_with_gnu_tar(source: Path, out: IO[bytes]) -> bool:
+    """Write ``source``'s tree as a tar to ``out`` with GNU tar; False if it could not start."""
+    tar = _host_gnu_tar()
+    assert tar is not None
+    try:
+        out.flush()
+        proc = subprocess.run(
+            [tar, "-c", "-f", "-", "--format=gnu", "--numeric-owner", "--owner=0", "--group=0",
+             "-C", str(source), "."],
+            stdout=out.fileno(), stderr=subprocess.PIPE, check=False)
+    except OSError:
+        return False
+    if proc.returncode != 0:
+        detail = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise GuestError(f"copy_in: tar of {source} failed: {detail[-1] if detail else proc.returncode}")
+    return True
+
+
+def _owned_by_guest_root(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    # Host uids mean nothing in the guest (and are unmapped in a user namespace, where a
+    # failed chown would also skip the chmod): copied-in files belong to the guest's root.
+    return member.replace(uid=0, gid=0, uname="root", gname="root", deep=False)
+
+
+def _positive_limit(value: float, what: str, name: str = "max_bytes") -> float:
+    """A byte cap or a timeout as given, or a one-line ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{what}: {name} must be a positive number, got {value!r}")
+    return value
