@@ -323,7 +323,7 @@ def test_a_guest_recorded_before_its_pid_is_destroyed_through_its_cgroup(tmp_pat
     destroying it kills what runs in the guest's own cgroup, and never what runs in a cgroup
     a damaged record names that is not a guest's."""
     from pytest_smolvm.backends.namespace import cgroups
-    from pytest_smolvm.backends.namespace.backend import destroy_recorded
+    from pytest_smolvm.backends.namespace.guest import destroy_recorded
 
     limits = cgroups.detect()
     if not limits.parents:

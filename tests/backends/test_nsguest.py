@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pytest_smolvm.backends.namespace.backend import HELPER_ENV, helper_code
+from pytest_smolvm.backends.namespace.zygote import HELPER_ENV, helper_code
 
 # Load the helper's modules from stdin, as namespace.Zygote does, but without running the
 # zygote's main(); then say which of the modules that register

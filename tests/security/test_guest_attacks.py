@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.backends.base import DEFAULT_DISK_MB, VMSpec
-from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.baselines.archive import apply_layer
 from pytest_smolvm.baselines.baseline import Baseline, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from pytest_smolvm.backends.base import Cancel, OutputCallback, VMSpec
-from pytest_smolvm.backends.namespace.backend import NamespaceBackend, NamespaceGuest
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.baselines.archive import apply_layer
 from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.baselines.cache import force_rmtree

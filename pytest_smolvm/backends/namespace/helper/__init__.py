@@ -3,7 +3,7 @@
 These modules run as their own interpreter, started once per pytest process with an explicit,
 minimal environment and an argv that names no host path (the guest can read its init's
 ``/proc/1/cmdline``): the host compiles them and sends the code on stdin, and the zygote loads
-``MODULES`` in order into ``sys.modules`` (see ``namespace.backend.helper_code``). They import
+``MODULES`` in order into ``sys.modules`` (see ``namespace.zygote.helper_code``). They import
 only the standard library and each other, all of it *before* any guest exists: a guest's init
 pivots into the guest's root, after which nothing from the host's filesystem (``sys.path``
 included) can be imported.

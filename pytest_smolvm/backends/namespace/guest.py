@@ -1,0 +1,276 @@
+"""One namespace guest as the host holds it: its init's socket, its scratch dir, its cgroups.
+
+Exec and file requests go to the guest's init over ``channel``; destroy kills the init (and with
+it the guest's pid namespace), then removes its cgroups and scratch dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from pytest_smolvm.backends.base import (
+    Cancel,
+    GuestExecResult,
+    OutputCallback,
+)
+from pytest_smolvm.backends.namespace import cgroups
+from pytest_smolvm.backends.namespace import network as _nsnet
+from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.baselines.baseline import Rootfs
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.host.procs import process_start_time, wait_gone
+
+FILE_OP_TIMEOUT = 900.0  # seconds for one file operation in the guest (a FIFO, a stalled helper)
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+STREAM_BUFFER = 1 << 20
+DESTROY_TIMEOUT = 10.0
+
+
+class NamespaceGuest:
+    """One namespace guest. Calls from several threads run at once: each has its own channel."""
+
+    def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
+                 cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str]) -> None:
+        self.name = name
+        self._channel = Channel(ctl, name)
+        self.pid = pid
+        self.pid_start = process_start_time(pid)
+        self.scratch = scratch
+        self.cgroup_dirs = cgroup_dirs
+        self._oom_kills = 0  # the cgroup's OOM kill count after the last exec (a new cgroup has none)
+        self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
+        self._spec_env_keys = set(spec_env)
+        self.workdir = rootfs.workdir or "/"
+        # The image config's User ("name", "uid", "name:group"): the user of every call that names
+        # none. The group part is not honoured separately: the user's own groups apply.
+        self.default_user = rootfs.user.split(":", 1)[0] or None
+        self._destroyed = False
+        self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
+
+    # ---------------------------------------------------------------- the Guest protocol
+
+    def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
+             stdin: bytes | None, timeout: float | None, output_limit: int, user: str | None = None,
+             on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> GuestExecResult:
+        full_env = {**self._env, **env}
+        message: dict[str, Any] = {"op": "exec", "argv": list(argv), "env": full_env,
+                                   "cwd": workdir or self.workdir}
+        user = user if user is not None else self.default_user
+        if user is not None:
+            message["user"] = str(user)
+            message["explicit"] = sorted({*self._spec_env_keys, *env})  # HOME etc. the caller set
+        size = argv_size(argv, full_env)
+        if size > ARG_HARD_LIMIT:
+            raise too_big(size, min(os.sysconf("SC_ARG_MAX"), ARG_HARD_LIMIT), argv[0])
+        out = run(self._channel, message, name=self.name, stdin=stdin, output_limit=output_limit,
+                  timeout=timeout, on_output=on_output, cancel=cancel)
+        if out.error is not None:
+            if out.error.get("errno") == errno.E2BIG:
+                arg_max = out.error.get("arg_max")
+                raise too_big(size, arg_max if isinstance(arg_max, int) else os.sysconf("SC_ARG_MAX"), argv[0])
+            raise_error(out.error, self.name, "exec")
+        before, self._oom_kills = self._oom_kills, cgroups.oom_kills(self.cgroup_dirs)
+        return _noting_oom(GuestExecResult(out.exit_code, out.stdout, out.stderr, out.timed_out, out.truncated,
+                                           out.cancelled), self._oom_kills - before)
+
+    def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
+                 stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None,
+                 timeout: float = FILE_OP_TIMEOUT, stdout_fd: int | None = None) -> None:
+        user = user if user is not None else self.default_user
+        if user is not None:
+            message["user"] = str(user)
+        result = run(self._channel, message, name=self.name, stdin=stdin, output_limit=1 << 16,
+                     timeout=timeout, stdout_sink=stdout_sink, cancel=cancel, stdout_fd=stdout_fd)
+        if result.error is not None:
+            raise_error(result.error, self.name, f"{message['op']} {message['path']}")
+        if result.timed_out:  # a bound on every host-side read: a stalled or stalling guest side
+            raise GuestError(f"{message['op']} {message['path']} in {self.name}: took longer than {timeout:.0f}s")
+        if result.exit_code != 0 and not result.cancelled:
+            detail = result.stderr.decode(errors="replace").strip().splitlines()
+            raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
+                             f"{detail[-1] if detail else f'exit {result.exit_code}'}")
+
+    def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
+        self._file_op({"op": "write", "path": path, "mode": mode}, user=user, stdin=data)
+
+    def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        over = Cancel()
+
+        def keep(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if max_bytes is not None and size > max_bytes:
+                over.cancel()  # kills the guest reader; nothing more is kept
+            else:
+                chunks.append(data)
+
+        # "limit": the guest side refuses early too where it knows how (hardened file ops).
+        self._file_op({"op": "read", "path": path, "limit": max_bytes}, user=user, stdout_sink=keep, cancel=over)
+        if over.cancelled:
+            raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes} "
+                                       "(pass a larger max_bytes, or use copy_out)", path)
+        return b"".join(chunks)
+
+    def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        """Run the guest side's extract with ``produce`` writing its stdin from a thread.
+
+        A socket, not a pipe, for the same reason as in :meth:`_stream_out`: the guest's tar is
+        the guest's to replace, and a process it leaves behind holding stdin unread would keep
+        ``produce`` blocked forever; once the guest side has exited, shutting down our end
+        wakes ``produce`` with a broken pipe.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):  # more in flight, fewer wake-ups (capped at net.core.wmem_max)
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
+        errors: list[BaseException] = []
+
+        def run_producer() -> None:
+            try:
+                with os.fdopen(ours.fileno(), "wb", closefd=False) as out:
+                    produce(out)
+                ours.shutdown(socket.SHUT_WR)  # the end of the archive, for the guest side
+            except BrokenPipeError:
+                pass  # the guest side stopped reading: its exit status says why
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+
+        producer = threading.Thread(target=run_producer, daemon=True)
+        producer.start()
+        try:
+            with theirs, os.fdopen(theirs.fileno(), "rb", closefd=False) as source:
+                self._file_op({"op": "put_archive", "path": guest_dir}, user=user, stdin=source)
+        finally:
+            with contextlib.suppress(OSError):
+                ours.shutdown(socket.SHUT_RDWR)
+            producer.join()
+            ours.close()
+        if errors:
+            raise errors[0]
+
+    def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        self._stream_out({"op": "get_archive", "path": guest_path, "arcname": arcname}, consume, user=user)
+
+    def export_root(self, consume: Callable[[IO[bytes]], None]) -> None:
+        """Stream the guest's root filesystem (mounts excluded) as a tar to ``consume``."""
+        self._stream_out({"op": "export_root", "path": "/"}, consume)
+
+    def _stream_out(self, message: dict[str, Any], consume: Callable[[IO[bytes]], None], *,
+                    user: str | None = None) -> None:
+        """Run a file op whose stdout is a stream, and hand that stream to ``consume`` in a thread.
+
+        The guest side writes straight into the socket ``consume`` reads: no copy through this
+        process's main thread, which would also contend with ``consume`` for the GIL. A socket,
+        not a pipe: once the guest side has exited, everything it wrote is queued, and shutting
+        down our end ends the stream there, even if a process the guest left behind (its own
+        ``tar`` is the guest's to replace) still holds the other end.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):  # more in flight, fewer wake-ups (capped at net.core.wmem_max)
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
+        errors: list[BaseException] = []
+        stop = Cancel()
+
+        def run_consumer() -> None:
+            try:
+                with os.fdopen(ours.fileno(), "rb", closefd=False) as source:
+                    consume(source)
+                    while source.read(1 << 16):
+                        pass  # let the guest side finish even if the consumer stopped early
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append(exc)
+                # The consumer refused the stream (a cap, a bad member): stop the guest side now
+                # instead of letting it run on (a sparse terabyte would take hours).
+                stop.cancel()
+
+        consumer = threading.Thread(target=run_consumer, daemon=True)
+        consumer.start()
+        try:
+            self._file_op(message, user=user, stdout_fd=theirs.detach(), cancel=stop)
+        finally:
+            with contextlib.suppress(OSError):
+                ours.shutdown(socket.SHUT_RD)  # the reader gets what is queued, then the end
+            consumer.join()
+            ours.close()
+        if errors:
+            raise errors[0]
+        if stop.cancelled:  # only a consumer that failed cancels
+            raise GuestError(f"{message['op']} in {self.name}: the stream's reader stopped")
+
+    def logs(self) -> str:
+        return ""  # a namespace guest has no console; its history is the exec transcript
+
+    def keep(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours:
+            try:
+                self._channel.send({"op": "keep"}, [theirs.fileno()])
+            finally:
+                theirs.close()
+            ours.settimeout(DESTROY_TIMEOUT)
+            if not ours.recv(4096):
+                raise GuestError(f"guest {self.name} is gone (its init exited)")
+
+    def registry_data(self) -> dict[str, Any]:
+        return {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
+                "cgroups": self.cgroup_dirs}
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._channel.close()
+        destroy_recorded(self.registry_data())  # may raise; a retry starts over
+        if self.nat is not None:
+            _nsnet.stop_nat(self.nat)  # exiting by itself already: the guest's init is gone
+        self._destroyed = True
+
+
+def _noting_oom(result: GuestExecResult, kills: int) -> GuestExecResult:
+    """Say so on stderr when the kernel killed processes for memory during this exec."""
+    if kills <= 0:
+        return result
+    note = (f"\npytest-smolvm: the guest ran out of memory: the kernel killed {kills} process(es) "
+            "(OOM; raise memory_mb in @pytest.mark.smol)\n").encode()
+    return dataclasses.replace(result, stderr=result.stderr + note)
+
+
+def destroy_recorded(data: Mapping[str, Any]) -> None:
+    """Kill a guest's init (the kernel then kills its whole pid namespace) and remove what is left."""
+    pid = int(data.get("pid") or 0)
+    if pid and process_start_time(pid) == data.get("pid_start"):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if not wait_gone(pid, DESTROY_TIMEOUT):
+            raise GuestError(f"guest init {pid} did not exit within {DESTROY_TIMEOUT:.0f}s of SIGKILL")
+    elif not pid:
+        # Recorded before create returned (see reserve): whatever runs in the
+        # guest's own cgroup is that guest's, half made.
+        for path in data.get("cgroups") or []:
+            cgroups.kill_members(path)
+    for path in data.get("cgroups") or []:
+        cgroups.remove(path)
+    scratch = data.get("scratch")
+    if scratch:
+        try:
+            os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
+        except FileNotFoundError:
+            pass
