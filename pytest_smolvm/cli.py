@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from importlib.util import find_spec
 
 from pytest_smolvm.backends import backend_class
+from pytest_smolvm.errors import ResultsError
 from pytest_smolvm.host import registry
-from pytest_smolvm.host.reaper import reap_orphans
+from pytest_smolvm.session.reaper import reap_orphans
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -96,7 +97,7 @@ def _results(args: argparse.Namespace) -> int:
     """Summarize result files, and compare each later one with the first."""
     from pathlib import Path
 
-    from pytest_smolvm.evals.results.load import ResultsError, read
+    from pytest_smolvm.evals.results.load import read
     from pytest_smolvm.evals.results.terminal import comparison, run_summary
 
     try:

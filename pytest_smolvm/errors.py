@@ -37,3 +37,27 @@ class ExecError(SmolVMError):
     def __init__(self, message: str, result: object) -> None:
         super().__init__(message)
         self.result = result
+
+
+class RegistryError(UsageError):
+    """Pulling an image failed: the message names the image and what to do."""
+
+
+class BaselineSetupError(ProvisionError):
+    """The warm baseline's setup failed; every test that needs it fails with this, once."""
+
+
+class ResultsError(SmolVMError, ValueError):
+    """A results file that cannot be read: the message names the file and line."""
+
+
+class TarFormatError(GuestError):
+    """The stream is not a tar archive this parser reads (truncated, malformed, an unknown type)."""
+
+
+class UnsafeArchive(GuestError):
+    """A guest-made (or image) archive broke a rule; the message names the member."""
+
+
+class DigestMismatch(Exception):
+    """The bytes read do not hash to the digest they were asked for."""

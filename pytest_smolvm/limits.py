@@ -1,12 +1,80 @@
-"""Defaults every backend applies alike, so a test behaves the same on a laptop's microVM, on
-smol cloud and on a CI host's namespace guests."""
+"""Every default limit and timeout, with its meaning, in one place: :data:`LIMITS`.
+
+Defaults apply alike on every backend, so a test behaves the same on a laptop's microVM, on
+smol cloud and on a CI host's namespace guests. Code reads ``LIMITS.<field>`` when it
+needs the value, so a ``conftest.py`` may lower one for a suite::
+
+    import dataclasses
+    from pytest_smolvm import limits
+    limits.LIMITS = dataclasses.replace(limits.LIMITS, artifacts_bytes=8 << 20)
+
+Format bounds that are not choices (a tar name's length, a message's size on a socket) stay
+beside the code that parses them.
+"""
 
 from __future__ import annotations
 
-# A guest's memory when its marker names none, on every backend (``memory_mb`` overrides it
-# everywhere). 4 GiB let one namespace guest take most of a small CI host, and a test that
-# passed there could OOM in a 512 MiB microVM. 2 GiB fits a Python toolchain and an agent's
-# build. It is what the guest's processes get, as a microVM's RAM: a namespace guest's files
-# live in its tmpfs disk, charged to the same cgroup, so that cgroup's limit adds the disk's
-# size (cgroups.create), and filling the disk is ENOSPC rather than a kill for memory.
-DEFAULT_MEMORY_MB = 2048
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    # ---- what a guest gets, when its marker names nothing
+    # A guest's memory on every backend (``memory_mb`` overrides it everywhere). 4 GiB let one
+    # namespace guest take most of a small CI host, and a test that passed there could OOM in a
+    # 512 MiB microVM; 2 GiB fits a Python toolchain and an agent's build. It is what the guest's
+    # processes get, as a microVM's RAM: a namespace guest's files live in its tmpfs disk, charged
+    # to the same cgroup, so that cgroup's limit adds the disk's size (``cgroups.create``).
+    memory_mb: int = 2048
+    disk_mb: int = 2048  # a namespace guest's tmpfs disk; filling it is ENOSPC, not a kill for memory
+
+    # ---- what comes back from a guest
+    output_bytes: int = 16 << 20  # kept per exec stream (``output_limit``); the rest is cut, ``truncated`` says so
+    read_bytes: int = 64 << 20  # ``read_file``'s cap unless ``max_bytes`` says otherwise
+    copy_out_bytes: int = 4 << 30  # what one ``copy_out`` may write to the host
+    copy_out_members: int = 1_000_000  # files, dirs and links in one copied tree
+    copy_out_timeout: float = 900.0  # seconds for one whole stream from the guest
+
+    # ---- what reaches a report (a terminal, JUnit, HTML: not an archive)
+    report_section_chars: int = 32_000  # characters per guest in a test's report section
+    report_file_chars: int = 8 << 20  # characters per transcript or log file kept beside a report
+    artifacts_bytes: int = 64 << 20  # bytes of collected guest files per test, all guests together
+
+    # ---- how long the host waits
+    # The longest wait poll(2) and Python's timers take (2**31 - 1 ms, about 24.8 days): a longer
+    # timeout would overflow them after the command had started in the guest.
+    max_timeout: float = 2_147_483.0
+    destroy_all_attempts: float = 60.0  # one guest's destroy, retries included; then the reaper takes over
+    destroy_one_namespace_guest: float = 10.0  # a namespace guest's init to exit once killed
+    guest_file_op: float = 900.0  # one file operation in a namespace guest (a FIFO, a stalled helper)
+    smol_plumbing: float = 600.0  # mkdir/tar/rm for a smol file transfer: big trees, but never a hang
+    smol_exec_cancel_grace: float = 30.0  # past a command's timeout, before the host kills the call
+    smol_ready: float = 120.0  # a smol machine's agent to answer after start
+    smol_probe_boot: float = 20.0  # the probe's test boot ($PYTEST_SMOLVM_PROBE_TIMEOUT overrides it)
+    registry_idle: float = 60.0  # without a byte from a registry before a request is given up
+    credential_helper: float = 30.0  # a docker credential helper (one waiting on a desktop prompt)
+    network_ready: float = 10.0  # pasta to bring a namespace guest's network up
+    unpacker_grace: float = 30.0  # past a stream's own deadline, before the confined unpacker is killed
+
+    # ---- what the Inspect provider budgets per guest when its config says nothing
+    inspect_guest_memory_mb: int = 256
+
+
+LIMITS = Limits()
+
+
+def guest_timeout(label: str, value: object, error: type[Exception] = ValueError) -> float | None:
+    """A guest timeout in seconds as ``label`` was given it; infinity means no limit (None).
+
+    Anything else that is not a positive number of seconds up to ``max_timeout`` raises
+    ``error`` with one line naming ``label``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise error(f"{label}={value!r}: expected a positive number of seconds, or None for no limit")
+    if math.isinf(value):
+        return None
+    if value > LIMITS.max_timeout:
+        raise error(f"{label}={value!r}: longer than the longest supported timeout ({LIMITS.max_timeout:.0f} s, "
+                    f"about 24.8 days); use None for no limit")
+    return float(value)

@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 
 from pytest_smolvm.backends.smol import probe
 from pytest_smolvm.cli import build_parser
-from pytest_smolvm.session.settings import MAX_TIMEOUT
+from pytest_smolvm.limits import LIMITS
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = Path(__file__).with_name("tools.py")
@@ -130,7 +130,7 @@ def test_bad_timeouts_and_a_bad_marker_image_error_that_test_only(pytester: pyte
     out = result.stdout.str()
     assert "Interrupted" not in out and "OverflowError" not in out
     result.stdout.fnmatch_lines([
-        f"*MESSAGE exec: timeout=10000000000.0: longer than the longest supported timeout ({MAX_TIMEOUT:.0f} s, "
+        f"*MESSAGE exec: timeout=10000000000.0: longer than the longest supported timeout ({LIMITS.max_timeout:.0f} s, "
         "about 24.8 days); use None for no limit",
     ])
     result.stdout.fnmatch_lines(["*ERROR at setup of test_marker_past_the_longest_wait*",
@@ -156,14 +156,14 @@ def test_a_bad_episode_count_is_said_once(pytester: pytest.Pytester) -> None:
 
 DECISION = """
     import time
-    from pytest_smolvm.session import plan
-    from pytest_smolvm.backends.smol.probe import ProbeResult
+    from pytest_smolvm.backends import selection
+    from pytest_smolvm.backends.base import ProbeResult
 
     def slow_probe():
         time.sleep(3)
         return ProbeResult(False, "KvmContext(KvmOpen(Error(13)))")
 
-    plan._probe_smol = slow_probe
+    selection._probe_smol = slow_probe
 """
 
 

@@ -133,10 +133,10 @@ def test_teardown_failure_after_a_clean_call_gets_the_transcript(pytester: pytes
 
 def test_size_caps_leave_a_visible_marker(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makeconftest("""
-        import pytest_smolvm.plugin.artifacts as artifacts
+        import dataclasses
+        from pytest_smolvm import limits
 
-        artifacts.SECTION_LIMIT = 3000
-        artifacts.FILES_BUDGET = 10_000
+        limits.LIMITS = dataclasses.replace(limits.LIMITS, report_section_chars=3000, artifacts_bytes=10_000)
 
         def pytest_smolvm_collect_artifacts(item, vm):
             return ["/small", "/big"]

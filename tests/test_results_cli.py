@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.evals.results.load import ResultsError, cause, read
+from pytest_smolvm.errors import ResultsError
+from pytest_smolvm.evals.results.load import cause, read
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -139,7 +139,7 @@ def test_a_run_keeps_namespace_records_and_scratch_in_the_runtime_dir(
 def test_a_save_cut_in_half_by_a_dead_writer_is_swept_by_the_reaper(split_dirs: tuple[Path, Path]) -> None:
     """A pytest killed with its helper in the middle of a save leaves the save's temp file: the
     next reap removes it, and never the temp file of a save still under way."""
-    from pytest_smolvm.host import reaper
+    from pytest_smolvm.session import reaper
 
     runtime, _ = split_dirs
     (runtime / "registry").mkdir(parents=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
+from pytest_smolvm import limits
+
 if TYPE_CHECKING:
     from pytest_smolvm.baselines.baseline import Baseline
 
@@ -27,7 +29,6 @@ class ProbeResult:
     reason: str
 
 
-DEFAULT_DISK_MB = 2048  # a namespace guest's tmpfs disk; its files count toward the guest's memory cgroup
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class VMSpec:
     baseline: Baseline
     cpus: float | None = None
     memory_mb: int | None = None
-    disk_mb: int = DEFAULT_DISK_MB
+    disk_mb: int = limits.LIMITS.disk_mb
     network: bool = False
     allow_hosts: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)

@@ -13,7 +13,7 @@ import tarfile
 from pathlib import Path
 from typing import IO, Any
 
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import UnsafeArchive, UsageError
 from pytest_smolvm.untrusted import confined, rules
 
 # A layer is a whole root filesystem: caps far above any image this project runs, still finite.
@@ -130,6 +130,6 @@ def apply_layer(stream: IO[bytes], dest: Path, *, squash_owner: bool, what: str 
     policy = rules.Policy(what, layer=True, squash_owner=squash_owner, guest_export=guest_export)
     try:
         confined.extract(stream, dest, policy, caps or LAYER_CAPS)
-    except rules.UnsafeArchive as exc:
+    except UnsafeArchive as exc:
         message = str(exc)
         raise UsageError(message if message.startswith(what) else f"{what}: {message}") from exc

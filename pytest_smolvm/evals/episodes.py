@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
-from pytest_smolvm.plugin import artifacts
+from pytest_smolvm.plugin import artifacts, xdist
 
 if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
@@ -42,7 +42,6 @@ MARKER = ("smol_episodes(n, seed=0): run this test as n episodes (ids ep0..ep{n-
           "guest and a deterministic seed; the smol_episode fixture records rewards (pytest-smolvm)")
 RESULT_ATTR = "smolvm_result"  # on the teardown report
 REWARD_PROPERTY = "smolvm_reward"
-RESULTS_INPUT = "smolvm_results"  # workerinput key: the controller's resolved results path
 SCHEMA_VERSION = 1
 _CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
 
@@ -207,15 +206,17 @@ REPORTS_KEY = pytest.StashKey[_Reports]()
 def install(config: pytest.Config, run: SmolRun) -> None:
     """Called from the plugin's pytest_configure."""
     config.addinivalue_line("markers", MARKER)
-    workerinput = getattr(config, "workerinput", None)
+    workerinput = xdist.worker_input(config)
     results = run.settings.results
     if workerinput is not None:
-        given = workerinput.get(RESULTS_INPUT)
+        given = workerinput.get(xdist.RESULTS_PATH)
         results = Path(given) if given else None  # the controller's resolved path, or none at all
     plugin = EpisodesPlugin(config, run, results, controller=workerinput is None)
     config.pluginmanager.register(plugin, "smolvm-episodes")
-    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(_XdistEpisodes(plugin), "smolvm-episodes-xdist")
+    glue = xdist.controller(config)
+    if glue is not None:
+        glue.tell_workers(xdist.RESULTS_PATH,
+                          lambda: str(plugin.results.resolve()) if plugin.results is not None else "")
 
 
 class EpisodesPlugin:
@@ -379,17 +380,6 @@ class EpisodesPlugin:
                 terminalreporter.line(text)
         if self.results is not None and verbosity >= -1:
             terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}")
-
-
-class _XdistEpisodes:
-    """Registered only when pytest-xdist is installed: its hook names exist only then."""
-
-    def __init__(self, plugin: EpisodesPlugin) -> None:
-        self.plugin = plugin
-
-    def pytest_configure_node(self, node: Any) -> None:
-        results = self.plugin.results
-        node.workerinput[RESULTS_INPUT] = str(results.resolve()) if results is not None else ""
 
 
 def _spec_of(item: pytest.Item) -> EpisodeSpec | None:

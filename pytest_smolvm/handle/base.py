@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from pytest_smolvm import limits
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.session.settings import DEFAULT_OUTPUT_LIMIT, guest_timeout
+from pytest_smolvm.limits import guest_timeout
 from pytest_smolvm.untrusted import confined, rules
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 from pytest_smolvm.handle.result import (
     DEFAULT,
-    DEFAULT_READ_LIMIT,
     ExecResult,
     Timeout,
     TranscriptEntry,
@@ -44,7 +44,7 @@ class GuestHandle:
 
     def __init__(self, guest: Guest, *, default_timeout: float | None = None,
                  backend: str = "", isolation: str = "", baseline: str = "", digest: str = "",
-                 user: str | int | None = None, output_limit: int = DEFAULT_OUTPUT_LIMIT) -> None:
+                 user: str | int | None = None, output_limit: int = limits.LIMITS.output_bytes) -> None:
         self._guest = guest
         self.default_timeout = default_timeout
         self.user = user  # every exec and file operation runs as this guest user (None: the image's)
@@ -127,7 +127,7 @@ class GuestHandle:
         self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode,
                                user=self._user())
 
-    def read_file(self, path: str, *, max_bytes: int = DEFAULT_READ_LIMIT) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int = limits.LIMITS.read_bytes) -> bytes:
         """The bytes of guest file ``path``; a file over ``max_bytes`` raises ``OSError(EFBIG)``."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"read_file: max_bytes must be a positive integer, got {max_bytes!r}")

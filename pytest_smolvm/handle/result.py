@@ -8,7 +8,6 @@ from typing import Final
 from pytest_smolvm.errors import ExecError
 from pytest_smolvm.untrusted.inert import inert
 
-DEFAULT_READ_LIMIT = 64 << 20  # read_file's cap unless max_bytes says otherwise
 TRANSCRIPT_TAIL = 2000
 
 

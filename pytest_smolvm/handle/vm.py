@@ -6,9 +6,9 @@ import functools
 
 from pytest_smolvm.handle.aio import AsyncVM
 from pytest_smolvm.handle.base import GuestHandle
-from pytest_smolvm.handle.result import DEFAULT, DEFAULT_READ_LIMIT, ExecResult, Timeout, TranscriptEntry
+from pytest_smolvm.handle.result import DEFAULT, ExecResult, Timeout, TranscriptEntry
 
-__all__ = ["DEFAULT", "DEFAULT_READ_LIMIT", "VM", "ExecResult", "Timeout", "TranscriptEntry"]
+__all__ = ["DEFAULT", "VM", "ExecResult", "Timeout", "TranscriptEntry"]
 
 
 class VM(GuestHandle):

@@ -24,12 +24,12 @@ from inspect_ai.util import (
 from pydantic import BaseModel
 from typing_extensions import override
 
+from pytest_smolvm import limits
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.integrations.inspect_config import SmolvmSandboxConfig, load
 from pytest_smolvm.session.library import Session
 
 WORKDIR = "/workspace"  # the sample's working directory, made writable by the config's user
-GUEST_MEMORY_MB = 256  # what default_concurrency budgets per guest when the config says nothing
 
 _sessions: dict[str, Session] = {}  # one per (task, config): task_init makes it, task_cleanup closes it
 
@@ -69,13 +69,13 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     def default_concurrency(cls) -> int | None:
-        """Guests this host can hold: a core each, bounded by memory at GUEST_MEMORY_MB a guest."""
+        """Guests this host can hold: a core each, bounded by memory (``inspect_guest_memory_mb`` a guest)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         try:
             memory_mb = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
         except (ValueError, OSError):
             return cores
-        return max(1, min(cores * 2, memory_mb // GUEST_MEMORY_MB))
+        return max(1, min(cores * 2, memory_mb // limits.LIMITS.inspect_guest_memory_mb))
 
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
@@ -122,7 +122,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     async def cli_cleanup(cls, id: str | None) -> None:
         """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper."""
         from pytest_smolvm.handle.aio import in_thread
-        from pytest_smolvm.host.reaper import reap_orphans
+        from pytest_smolvm.session.reaper import reap_orphans
 
         names = None if id is None else {id: None}
         await in_thread(lambda: reap_orphans(names=names))

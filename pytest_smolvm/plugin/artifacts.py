@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_smolvm import limits
+from pytest_smolvm.plugin import xdist
 from pytest_smolvm.untrusted.inert import inert
 
 if TYPE_CHECKING:
@@ -42,10 +44,6 @@ if TYPE_CHECKING:
 
 SECTION = "smolvm guest"
 CAPTURED_KEY = f"log {SECTION}"  # "Captured log ..." is the prefix junit_logging=log copies
-SECTION_LIMIT = 32_000  # characters per guest in a report: a terminal, not an archive
-FILE_LIMIT = 8 << 20  # characters per transcript/log file
-FILES_BUDGET = 64 << 20  # bytes of collected guest files per test
-ARTIFACTS_INPUT = "smolvm_artifacts"  # workerinput key: the controller's resolved dir
 
 
 @dataclass
@@ -69,21 +67,14 @@ SETTINGS_KEY = pytest.StashKey[SinkSettings]()
 def install(config: pytest.Config, run: SmolRun) -> None:
     """Called from the plugin's pytest_configure."""
     artifacts = run.settings.artifacts
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and workerinput.get(ARTIFACTS_INPUT):
-        artifacts = Path(workerinput[ARTIFACTS_INPUT])  # the controller's view of a relative path wins
+    workerinput = xdist.worker_input(config)
+    if workerinput is not None and workerinput.get(xdist.ARTIFACTS_DIR):
+        artifacts = Path(workerinput[xdist.ARTIFACTS_DIR])  # the controller's view of a relative path wins
     config.stash[SETTINGS_KEY] = SinkSettings(run.settings.logs, artifacts)
-    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(_XdistArtifacts(artifacts), "smolvm-artifacts-xdist")
-
-
-class _XdistArtifacts:
-    def __init__(self, artifacts: Path | None) -> None:
-        self.artifacts = artifacts
-
-    def pytest_configure_node(self, node: Any) -> None:
-        if self.artifacts is not None:
-            node.workerinput[ARTIFACTS_INPUT] = str(self.artifacts.resolve())
+    glue = xdist.controller(config)
+    if glue is not None and artifacts is not None:
+        resolved = str(artifacts.resolve())
+        glue.tell_workers(xdist.ARTIFACTS_DIR, lambda: resolved)
 
 
 def _state(item: pytest.Item) -> _ItemState:
@@ -161,7 +152,7 @@ def report_made(item: pytest.Item, report: pytest.TestReport, guests: list[LiveG
     html = _html_extras(item.config)
     for live in guests:
         where = str(directory / "transcript.txt") if directory else ""
-        text = cap_text(guest_text(live), SECTION_LIMIT, where) + attachment
+        text = cap_text(guest_text(live), limits.LIMITS.report_section_chars, where) + attachment
         title = f"{SECTION} {live.vm.name}"
         addsection = getattr(report.longrepr, "addsection", None)  # pytest's ExceptionRepr
         if report.failed and callable(addsection):
@@ -239,7 +230,7 @@ def save(item: pytest.Item, guests: list[LiveGuest], *, collect: bool) -> Path |
     _write_text(directory / "transcript.txt", inert("\n".join(transcripts)), notes)  # read with cat, in a terminal
     _write_text(directory / "guest-logs.txt", inert("\n".join(logs)), notes)
     if collect:
-        budget = FILES_BUDGET
+        budget = limits.LIMITS.artifacts_bytes
         for number, live in enumerate(guests, start=1):
             files = directory / ("files" if number == 1 else f"files-{number}")
             for path in _hook_paths(item, live, notes):
@@ -250,9 +241,9 @@ def save(item: pytest.Item, guests: list[LiveGuest], *, collect: bool) -> Path |
 
 
 def _write_text(path: Path, text: str, notes: list[str]) -> None:
-    if len(text) > FILE_LIMIT:
-        notes.append(f"{path.name}: {len(text)} characters, cut to {FILE_LIMIT} (marker inside)")
-    path.write_text(cap_text(text, FILE_LIMIT), errors="replace")
+    if len(text) > limits.LIMITS.report_file_chars:
+        notes.append(f"{path.name}: {len(text)} characters, cut to {limits.LIMITS.report_file_chars} (marker inside)")
+    path.write_text(cap_text(text, limits.LIMITS.report_file_chars), errors="replace")
 
 
 def _hook_paths(item: pytest.Item, live: LiveGuest, notes: list[str]) -> list[str]:
@@ -275,7 +266,8 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
         return budget
     dest = files / relative
     if budget <= 0:
-        notes.append(f"{live.vm.name}:{path}: not copied: the {FILES_BUDGET}-byte budget per test is spent")
+        notes.append(f"{live.vm.name}:{path}: not copied: "
+                     f"the {limits.LIMITS.artifacts_bytes}-byte budget per test is spent")
         return budget
     try:
         # copy_out puts a copy inside an existing directory; a collected path names its copy.
@@ -301,7 +293,7 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
         # Copied whole, then dropped: a partial tree would look complete, an absent one does not.
         shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
         notes.append(f"{live.vm.name}:{path}: dropped: {size} bytes exceed the {budget} bytes left of the "
-                     f"{FILES_BUDGET}-byte budget per test")
+                     f"{limits.LIMITS.artifacts_bytes}-byte budget per test")
         return 0
     return budget - size
 

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
+from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, UsageError
 from pytest_smolvm.evals import episodes
-from pytest_smolvm.plugin import artifacts, hookspecs, progress, reporting
-from pytest_smolvm.session.run import SERVICE_INPUT, SmolRun
+from pytest_smolvm.host import progress
+from pytest_smolvm.plugin import artifacts, hookspecs, reporting, xdist
+from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
 if TYPE_CHECKING:
@@ -30,9 +31,6 @@ REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 PROBLEMS_KEY = pytest.StashKey[list[str]]()
 DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
-RUN_ID_INPUT = "smolvm_run_id"
-PROBLEMS_OUTPUT = "smolvm_problems"  # workeroutput key: teardown problems a worker met
-WORK_OUTPUT = "smolvm_work"  # workeroutput key: a worker's long host-side work (pulls, unpacks)
 WORK_KEY = pytest.StashKey[list[str]]()
 
 
@@ -51,10 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
         settings = Settings.from_config(config)
     except UsageError as exc:
         raise pytest.UsageError(str(exc)) from None
-    workerinput = getattr(config, "workerinput", None)
+    workerinput = xdist.worker_input(config)
     if workerinput is not None:
-        run = SmolRun(settings, run_id=workerinput[RUN_ID_INPUT], worker=workerinput["workerid"],
-                      service_address=workerinput[SERVICE_INPUT], workers=int(workerinput.get("workercount", 1)))
+        run = SmolRun(settings, run_id=workerinput[xdist.RUN_ID], worker=workerinput["workerid"],
+                      service_address=workerinput[xdist.PLAN_SERVICE], workers=int(workerinput.get("workercount", 1)))
     else:
         distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
         run = SmolRun(settings, worker="controller" if distributed else "main")
@@ -65,9 +63,14 @@ def pytest_configure(config: pytest.Config) -> None:
     counter = GuestTestCounter()
     config.stash[COUNTER_KEY] = counter
     config.pluginmanager.register(counter, "smolvm-counter")
-    if workerinput is None and config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistController(run, config.stash[PROBLEMS_KEY], config.stash[WORK_KEY]),
-                                      "smolvm-xdist")
+    glue = xdist.controller(config)
+    if glue is not None:
+        glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
+        glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
+        glue.on_worker_down(lambda crashed: _after_worker(run, crashed))
+        config.pluginmanager.register(_FirstTest(run), "smolvm-first-test")
+        config.stash[PROBLEMS_KEY] = glue.problems
+        config.stash[WORK_KEY] = glue.work
     episodes.install(config, run)
     artifacts.install(config, run)
 
@@ -83,26 +86,18 @@ class GuestTestCounter:
             self.count += 1
 
 
-class XdistController:
-    """Hooks that exist only when pytest-xdist is installed (registered on demand)."""
+def _after_worker(run: SmolRun, crashed: bool) -> None:
+    if crashed and run.plan is not None:
+        from pytest_smolvm.session.reaper import reap_orphans
 
-    def __init__(self, run: SmolRun, problems: list[str], work: list[str]) -> None:
+        reap_orphans()  # the dead worker's guests died with it; this clears what they left
+
+
+class _FirstTest:
+    """The xdist controller runs no test itself: its signals are routed once a worker's test starts."""
+
+    def __init__(self, run: SmolRun) -> None:
         self.run = run
-        self.problems = problems
-        self.work = work
-
-    def pytest_configure_node(self, node: Any) -> None:
-        node.workerinput[RUN_ID_INPUT] = self.run.run_id
-        node.workerinput[SERVICE_INPUT] = self.run.service_address()
-
-    def pytest_testnodedown(self, node: Any, error: object) -> None:
-        workeroutput = getattr(node, "workeroutput", {})
-        self.problems.extend(workeroutput.get(PROBLEMS_OUTPUT, []))
-        self.work.extend(workeroutput.get(WORK_OUTPUT, []))
-        if error and self.run.plan is not None:
-            from pytest_smolvm.host.reaper import reap_orphans
-
-            reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
     def pytest_runtest_logstart(self) -> None:
         if self.run.plan is not None:
@@ -117,10 +112,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     problems = config.stash[PROBLEMS_KEY]
     problems += run.finish()
-    workeroutput = getattr(config, "workeroutput", None)
-    if workeroutput is not None:
-        workeroutput[PROBLEMS_OUTPUT] = list(problems)
-        workeroutput[WORK_OUTPUT] = progress.finished()
+    if xdist.is_worker(config):
+        xdist.report_to_controller(config, problems, progress.finished())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -180,7 +173,7 @@ def _fail_setup(message: str) -> NoReturn:
 def smol_vm_factory(request: pytest.FixtureRequest,
                     smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
     """Make guests on demand: smol_vm_factory(**marker_keywords); all destroyed at teardown."""
-    from pytest_smolvm.session.warm import BaselineSetup, BaselineSetupError
+    from pytest_smolvm.session.warm import BaselineSetup
 
     item = request.node
     run = request.config.stash[RUN_KEY]

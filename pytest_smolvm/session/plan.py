@@ -20,51 +20,18 @@ import dataclasses
 import json
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from pytest_smolvm.backends import backend_class
-from pytest_smolvm.backends.base import Backend, BackendOptions, ProbeResult, VMSpec, spec_from_json, spec_to_json
-from pytest_smolvm.backends.smol.probe import plain_reason
+from pytest_smolvm.backends.base import Backend, BackendOptions, VMSpec, spec_from_json, spec_to_json
+from pytest_smolvm.backends.selection import select_backend
 from pytest_smolvm.baselines import baseline as baselines
 from pytest_smolvm.errors import ProvisionError, UsageError
-from pytest_smolvm.host import reaper
+from pytest_smolvm.session import reaper
 from pytest_smolvm.session.settings import Settings
-
-
-@dataclass(frozen=True)
-class Selection:
-    name: str
-    reason: str
-
-
-def select_backend(requested: str, target: str = "local",
-                   probe: Callable[[], ProbeResult] | None = None) -> Selection:
-    """Decide which backend runs, and say why. ``auto`` prefers a real microVM."""
-    if requested != "auto":
-        if requested == "smol" and target == "local":
-            result = (probe or _probe_smol)()
-            if not result.available:
-                raise UsageError(f"--smol-backend=smol: no microVM boots on this host: {result.reason} "
-                                 "(run 'pytest-smolvm doctor' for the fix)")
-        return Selection(requested, f"--smol-backend={requested} was asked for")
-    if target == "cloud":
-        return Selection("smol", "--smol-target=cloud runs microVMs on smol cloud")
-    result = (probe or _probe_smol)()
-    if result.available:
-        return Selection("smol", "a microVM booted on this host")
-    return Selection("namespace", f"no microVM boots here: {plain_reason(result.reason)}; "
-                                  "see 'pytest-smolvm doctor'; namespace guests share the host kernel")
-
-
-def _probe_smol() -> ProbeResult:
-    try:
-        smol = backend_class("smol")
-    except (ImportError, AttributeError) as exc:
-        return ProbeResult(False, f"the smol backend is not available: {exc}")
-    return smol.probe()
 
 
 @dataclass(frozen=True)

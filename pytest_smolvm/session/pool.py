@@ -26,21 +26,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import MarkerError, ProvisionError, UsageError
+from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.session import capacity
 from pytest_smolvm.session.background import Ahead, Bounded, Teardown
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
-from pytest_smolvm.session.warm import BaselineSetup, BaselineSetupError
+from pytest_smolvm.session.warm import BaselineSetup
 from pytest_smolvm.untrusted.inert import inert
 
 DESTROY_ATTEMPTS = 2
-DESTROY_TIMEOUT = 60.0  # seconds for all attempts together; then the reaper takes over
 PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
 DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -53,7 +53,7 @@ def signals_deferred() -> Iterator[None]:
     """Let a destroy finish before a Ctrl-C (or SIGTERM/SIGHUP) lands; it is delivered right after.
 
     A second Ctrl-C during teardown must not cut a destroy in half. The destroy itself is
-    bounded (:data:`DESTROY_TIMEOUT`), so the interrupt is late by that much at most.
+    bounded (``LIMITS.destroy_all_attempts``), so the interrupt is late by that much at most.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -94,7 +94,7 @@ class GuestPool:
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
         self.live: dict[str, LiveGuest] = {}
-        self.destroy_timeout = DESTROY_TIMEOUT
+        self.destroy_timeout = limits.LIMITS.destroy_all_attempts
         self._teardown: Teardown[LiveGuest] = Teardown(self._destroy_now, lambda live: live.vm.name)
         self._ahead: Ahead[LiveGuest] = Ahead(self.release)
         self._make_ahead: bool | None = None  # decided on the first guest

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from pytest_smolvm.session.pool import GuestPool
 
 
-SERVICE_INPUT = "smolvm_plan_service"  # workerinput key: the controller's plan service, "host:port:secret"
 
 
 class SmolRun:
@@ -120,7 +119,7 @@ class SmolRun:
         decided = self.plan is not None
         problems = self.close()
         if decided and not self.is_worker:
-            from pytest_smolvm.host.reaper import reap_orphans
+            from pytest_smolvm.session.reaper import reap_orphans
 
             report = reap_orphans()
             problems += [f"{name}: {why}" for name, why in report.failed]

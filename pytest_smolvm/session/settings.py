@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from pytest_smolvm import limits
 from pytest_smolvm.errors import MarkerError, UsageError
+from pytest_smolvm.limits import guest_timeout
 
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
@@ -21,10 +23,6 @@ KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
 MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit",
                    "relax")
-DEFAULT_OUTPUT_LIMIT = 16 << 20  # bytes kept per exec stream; beyond it the middle is dropped with a marker
-# The longest wait poll(2) and Python's timers take (2**31 - 1 ms, about 24.8 days): a longer
-# timeout would overflow them after the command had started in the guest.
-MAX_TIMEOUT = 2_147_483.0
 SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
 # "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
@@ -83,7 +81,7 @@ class Settings:
     artifacts: Path | None = None
     logs: str = "failed"
     user: str | None = None
-    output_limit: int = DEFAULT_OUTPUT_LIMIT
+    output_limit: int = field(default_factory=lambda: limits.LIMITS.output_bytes)
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
     registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used
@@ -236,22 +234,6 @@ def _positive_number(name: str, value: Any) -> float:
         raise UsageError(f"{name}={value!r}: expected a positive number")
     if not math.isfinite(value) or value <= 0:
         raise UsageError(f"{name}={value!r}: expected a positive number")
-    return float(value)
-
-
-def guest_timeout(label: str, value: object, error: type[Exception] = ValueError) -> float | None:
-    """A guest timeout in seconds as ``label`` was given it; infinity means no limit (None).
-
-    Anything else that is not a positive number of seconds up to MAX_TIMEOUT raises ``error``
-    with one line naming ``label``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise error(f"{label}={value!r}: expected a positive number of seconds, or None for no limit")
-    if math.isinf(value):
-        return None
-    if value > MAX_TIMEOUT:
-        raise error(f"{label}={value!r}: longer than the longest supported timeout ({MAX_TIMEOUT:.0f} s, "
-                    f"about 24.8 days); use None for no limit")
     return float(value)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.errors import UsageError
 from pytest_smolvm.handle.vm import VM
 
 SETUP_KEY = pytest.StashKey["BaselineSetup"]()
@@ -57,5 +57,3 @@ class BaselineSetup:
         return setup
 
 
-class BaselineSetupError(ProvisionError):
-    """The warm baseline's setup failed; every test that needs it fails with this, once."""

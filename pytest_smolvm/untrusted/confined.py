@@ -10,7 +10,7 @@ CPU time, and loads a seccomp filter that refuses exec, fork, sockets, mounts, `
 ``chroot``. A flaw in the walker then still writes nothing outside the destination, and reads
 nothing outside it either.
 
-Errors come back as the same :class:`~pytest_smolvm.untrusted.rules.UnsafeArchive` messages as the
+Errors come back as the same :class:`~pytest_smolvm.untrusted.UnsafeArchive` messages as the
 in-process walker raises.
 """
 
@@ -28,11 +28,11 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm import limits
+from pytest_smolvm.errors import GuestError, UnsafeArchive
 from pytest_smolvm.untrusted import hostfs, rules
 
 MEMORY_CAP = 1 << 30  # RLIMIT_AS of the helper: Python plus 1 MiB buffers and capped metadata
-GRACE = 30.0  # seconds the parent waits past the stream's own deadline before killing the helper
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
@@ -75,11 +75,11 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Polic
         pump = threading.Thread(target=_pump, args=(stream, write_end), daemon=True, name="smolvm-unpack-pump")
         pump.start()
     try:
-        out, err = child.communicate(timeout=caps.timeout + GRACE)
+        out, err = child.communicate(timeout=caps.timeout + limits.LIMITS.unpacker_grace)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        raise rules.UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
+        raise UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
                                    f"{caps.timeout:.0f}s; refused") from None
     except BaseException:
         child.kill()
@@ -95,7 +95,7 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Polic
     except (ValueError, IndexError, KeyError):
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
         message = f"{policy.what}: the unpacking helper failed: {tail[0][:300]}"
-    raise rules.UnsafeArchive(message)
+    raise UnsafeArchive(message)
 
 
 def _import_paths() -> str:

@@ -23,6 +23,7 @@ import os
 import stat
 from typing import IO
 
+from pytest_smolvm.errors import TarFormatError, UnsafeArchive
 from pytest_smolvm.untrusted.rules import (
     CHUNK,
     FILE_FLAGS,
@@ -32,7 +33,6 @@ from pytest_smolvm.untrusted.rules import (
     BoundedReader,
     Caps,
     Policy,
-    UnsafeArchive,
 )
 from pytest_smolvm.untrusted.tarstream import (
     BLOCKDEV,
@@ -43,7 +43,6 @@ from pytest_smolvm.untrusted.tarstream import (
     REGULAR,
     SYMLINK,
     Member,
-    TarFormatError,
     TarReader,
 )
 from pytest_smolvm.untrusted.walk import TreeWalker, _rmtree_at

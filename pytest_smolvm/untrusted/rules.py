@@ -10,14 +10,12 @@ import os
 import select
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm import limits
+from pytest_smolvm.errors import UnsafeArchive
 
-DEFAULT_MAX_BYTES = 4 << 30  # what one copy_out may write to the host
-DEFAULT_MAX_MEMBERS = 1_000_000
-DEFAULT_TIMEOUT = 900.0  # seconds for one whole stream
 HEADER_ALLOWANCE = 1536  # stream bytes per member beyond its data: header, long-name and PAX blocks
 MAX_NAME = 4096
 MAX_LINK_HOPS = 40
@@ -29,15 +27,12 @@ FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class UnsafeArchive(GuestError):
-    """A guest-made (or image) archive broke a rule; the message names the member."""
-
-
 @dataclass(frozen=True)
 class Caps:
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_members: int = DEFAULT_MAX_MEMBERS
-    timeout: float = DEFAULT_TIMEOUT
+    # Read when a Caps is made, so a suite's own LIMITS (limits.py) applies.
+    max_bytes: int = field(default_factory=lambda: limits.LIMITS.copy_out_bytes)
+    max_members: int = field(default_factory=lambda: limits.LIMITS.copy_out_members)
+    timeout: float = field(default_factory=lambda: limits.LIMITS.copy_out_timeout)
 
 
 class BoundedReader:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.errors import TarFormatError
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
@@ -35,10 +35,6 @@ REGULAR, HARDLINK, SYMLINK, CHARDEV, BLOCKDEV, DIRECTORY, FIFO = "0", "1", "2", 
 _REGULAR_TYPES = {b"0": REGULAR, b"\0": REGULAR, b"7": REGULAR, b"1": HARDLINK, b"2": SYMLINK,
                   b"3": CHARDEV, b"4": BLOCKDEV, b"5": DIRECTORY, b"6": FIFO}
 _SPACES = b" " * 8
-
-
-class TarFormatError(GuestError):
-    """The stream is not a tar archive this parser reads (truncated, malformed, an unknown type)."""
 
 
 class Source(Protocol):

@@ -11,7 +11,8 @@ import errno
 import os
 import stat
 
-from pytest_smolvm.untrusted.rules import DIR_CACHE, DIR_FLAGS, MAX_LINK_HOPS, MAX_NAME, Policy, UnsafeArchive
+from pytest_smolvm.errors import UnsafeArchive
+from pytest_smolvm.untrusted.rules import DIR_CACHE, DIR_FLAGS, MAX_LINK_HOPS, MAX_NAME, Policy
 
 
 class TreeWalker:

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm.backends.base import DEFAULT_DISK_MB, Backend, BackendOptions, Guest
+from pytest_smolvm import limits
+from pytest_smolvm.backends.base import Backend, BackendOptions, Guest
 from pytest_smolvm.errors import GuestError, UsageError
 from pytest_smolvm.handle.vm import VM
 from tests.backends.conftest import RUN_ID, MakeGuest
@@ -402,7 +403,7 @@ def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequ
             for name in ("memory.limit_in_bytes", "memory.max"):
                 path = Path(directory, name)
                 if path.exists():  # the guest's tmpfs disk is charged to it as well: not the processes'
-                    return (int(path.read_text()) >> 20) - DEFAULT_DISK_MB
+                    return (int(path.read_text()) >> 20) - limits.LIMITS.disk_mb
         pytest.skip("no memory cgroup on this host: the limit is not applied")
     if getattr(backend, "target", "") == "cloud":
         cloud = request.getfixturevalue("loopback_cloud")
@@ -416,9 +417,8 @@ def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequ
 def test_one_default_memory_size_on_every_backend(backend: Backend, make_guest: MakeGuest,
                                                   request: pytest.FixtureRequest) -> None:
     """The same test gets the same memory whatever backend runs it, and memory_mb overrides it."""
-    from pytest_smolvm.limits import DEFAULT_MEMORY_MB
 
     _, default = make_guest()
-    assert _memory_limit_mb(backend, default, request) == DEFAULT_MEMORY_MB
+    assert _memory_limit_mb(backend, default, request) == limits.LIMITS.memory_mb
     _, asked = make_guest(memory_mb=320)
     assert _memory_limit_mb(backend, asked, request) == 320

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from pytest_smolvm.errors import GuestUserError
-from pytest_smolvm.handle.vm import DEFAULT_READ_LIMIT, VM
+from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.limits import LIMITS
 from tests.backends.conftest import MakeGuest
 
 AGENT_UID = 1234
@@ -178,7 +179,7 @@ def test_read_file_cap(vm: VM) -> None:
     with pytest.raises(OSError) as info:
         vm.read_file("/tmp/big", max_bytes=99_999)
     assert info.value.errno == errno.EFBIG and "max_bytes=99999" in str(info.value)
-    vm.exec(f"head -c {DEFAULT_READ_LIMIT + 1} /dev/zero > /tmp/huge", check=True)
+    vm.exec(f"head -c {LIMITS.read_bytes + 1} /dev/zero > /tmp/huge", check=True)
     with pytest.raises(OSError) as default_cap:
         vm.read_file("/tmp/huge")
     assert default_cap.value.errno == errno.EFBIG

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.baselines.archive import apply_layer
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import UnsafeArchive, UsageError
 from pytest_smolvm.untrusted import confined, hostfs, rules
 
 PAYLOAD = "payload"
@@ -227,7 +227,7 @@ def test_copy_out_rules_hold_against_poc_trees(shape: Callable[[Path, Canary, st
                                                canary: Canary, tmp_path: Path) -> None:
     data = shape(dest, canary, PAYLOAD)
     before = _outside(tmp_path, dest)
-    with pytest.raises(rules.UnsafeArchive, match="refused"):
+    with pytest.raises(UnsafeArchive, match="refused"):
         hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD))
     canary.assert_untouched()
     assert _outside(tmp_path, dest) == before
@@ -252,7 +252,7 @@ def test_layer_rules_hold_against_poc_trees(shape: Callable[[Path, Canary, str],
 def test_this_python_tarfile_filter_alone_is_not_relied_on(dest: Path, canary: Canary) -> None:
     """Whatever tarfile's data filter does on this Python, hostfs refuses the 4517 tree by itself."""
     data = cve_2025_4517(dest, canary, PAYLOAD)
-    with pytest.raises(rules.UnsafeArchive, match=r"leaves the copied tree|is a symlink"):
+    with pytest.raises(UnsafeArchive, match=r"leaves the copied tree|is a symlink"):
         hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD))
 
 
@@ -265,28 +265,28 @@ def test_devices_and_fifos_are_refused_on_copy_out(kind: bytes, dest: Path) -> N
         info = tarfile.TarInfo(f"{PAYLOAD}/node")
         info.type, info.devmajor, info.devminor = kind, 1, 5
         tar.addfile(info)
-    with pytest.raises(rules.UnsafeArchive, match=r"a FIFO|a device"):
+    with pytest.raises(UnsafeArchive, match=r"a FIFO|a device"):
         hostfs.extract(io.BytesIO(_tar(build)), dest, rules.Policy("copy_out", prefix=PAYLOAD))
     assert not (dest / PAYLOAD / "node").exists()
 
 
 def test_dev_zero_link_is_refused(dest: Path) -> None:
     data = _tar(lambda tar: _sym(tar, PAYLOAD, "/dev/zero"))
-    with pytest.raises(rules.UnsafeArchive, match="leaves the copied tree"):
+    with pytest.raises(UnsafeArchive, match="leaves the copied tree"):
         hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD))
 
 
 def test_names_that_leave_the_tree_are_refused(dest: Path) -> None:
     for name in ("/etc/x", f"{PAYLOAD}/../../x", "other"):
         data = _tar(lambda tar, name=name: _file(tar, name))  # type: ignore[misc]
-        with pytest.raises(rules.UnsafeArchive, match="refused"):
+        with pytest.raises(UnsafeArchive, match="refused"):
             hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD))
 
 
 def test_byte_cap_is_checked_while_reading(dest: Path) -> None:
     big = 8 << 20
     data = _tar(lambda tar: _file(tar, f"{PAYLOAD}/big", b"\0" * big))
-    with pytest.raises(rules.UnsafeArchive, match="the cap"):
+    with pytest.raises(UnsafeArchive, match="the cap"):
         hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD),
                        rules.Caps(max_bytes=1 << 20))
     assert (dest / PAYLOAD / "big").stat().st_size <= 2 << 20  # stopped near the cap, not after
@@ -297,7 +297,7 @@ def test_member_cap(dest: Path) -> None:
         _dir(tar, PAYLOAD)
         for i in range(50):
             _file(tar, f"{PAYLOAD}/f{i}", b"")
-    with pytest.raises(rules.UnsafeArchive, match="members"):
+    with pytest.raises(UnsafeArchive, match="members"):
         hostfs.extract(io.BytesIO(_tar(build)), dest, rules.Policy("copy_out", prefix=PAYLOAD),
                        rules.Caps(max_members=10))
 
@@ -328,7 +328,7 @@ def test_a_stalled_stream_times_out(dest: Path) -> None:
     os.write(write_fd, _tar(lambda tar: _dir(tar, PAYLOAD))[:512])  # a header, then nothing
     started = time.monotonic()
     try:
-        with os.fdopen(read_fd, "rb") as stream, pytest.raises(rules.UnsafeArchive, match="longer than"):
+        with os.fdopen(read_fd, "rb") as stream, pytest.raises(UnsafeArchive, match="longer than"):
             hostfs.extract(stream, dest, rules.Policy("copy_out", prefix=PAYLOAD), rules.Caps(timeout=1.0))
     finally:
         os.close(write_fd)
@@ -339,7 +339,7 @@ def test_a_spewing_pipe_is_capped(tmp_path: Path) -> None:
     read_fd, write_fd = os.pipe()
     writer = threading.Thread(target=lambda: _spew(write_fd), daemon=True)
     writer.start()
-    with os.fdopen(read_fd, "rb") as stream, pytest.raises(rules.UnsafeArchive, match="the cap"):
+    with os.fdopen(read_fd, "rb") as stream, pytest.raises(UnsafeArchive, match="the cap"):
         reader = rules.BoundedReader(stream, max_bytes=1 << 20, timeout=10, what="read")
         while reader.read(1 << 16):
             pass
@@ -414,7 +414,7 @@ def test_an_absurd_member_is_a_clear_refusal(dest: Path) -> None:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         build(tar)
-    with pytest.raises(rules.UnsafeArchive, match="cannot unpack 'payload/old'"):
+    with pytest.raises(UnsafeArchive, match="cannot unpack 'payload/old'"):
         hostfs.extract(io.BytesIO(buffer.getvalue()), dest, rules.Policy("copy_out", prefix=PAYLOAD))
 
 
@@ -436,7 +436,7 @@ def test_names_relative_to_the_tree_land_under_the_prefix(dest: Path, canary: Ca
     before = _outside(tmp_path, dest)
     for name, target in (("./../x", None), ("./up", "../x"), ("./abs", str(canary.dir))):
         data = _tar(lambda tar, n=name, t=target: _sym(tar, n, t) if t else _file(tar, n))  # type: ignore[misc]
-        with pytest.raises(rules.UnsafeArchive, match="refused"):
+        with pytest.raises(UnsafeArchive, match="refused"):
             hostfs.extract(io.BytesIO(data), dest, rules.Policy("copy_out", prefix=PAYLOAD))
     canary.assert_untouched()
     assert _outside(tmp_path, dest) == before
@@ -471,7 +471,7 @@ def test_malformed_streams_are_refused_before_anything_is_held(case: str, dest: 
         data = _header(f"{PAYLOAD}/f".encode(), 4096) + b"x" * 100
     else:
         data = _header(f"{PAYLOAD}/f".encode(), 0, b"V")
-    with pytest.raises(rules.UnsafeArchive, match="not a readable tar stream"):
+    with pytest.raises(UnsafeArchive, match="not a readable tar stream"):
         hostfs.extract(io.BytesIO(data + bytes(1024)), dest, rules.Policy("copy_out", prefix=PAYLOAD))
 
 
@@ -495,7 +495,7 @@ def test_sparse_members_of_every_format_come_out_whole(fmt: list[str], tmp_path:
     assert (dest / PAYLOAD / "holes").read_bytes() == (src / "holes").read_bytes()
     capped = tmp_path / "capped"
     capped.mkdir()
-    with pytest.raises(rules.UnsafeArchive, match="the cap"):  # counted by its data, up front
+    with pytest.raises(UnsafeArchive, match="the cap"):  # counted by its data, up front
         hostfs.extract(io.BytesIO(archive), capped, rules.Policy("copy_out", prefix=PAYLOAD),
                        rules.Caps(max_bytes=10_000))
     assert (capped / PAYLOAD / "holes").stat().st_size == 0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.backends.base import DEFAULT_DISK_MB, VMSpec
+from pytest_smolvm.backends.base import VMSpec
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.baselines.archive import apply_layer
@@ -34,7 +34,7 @@ from pytest_smolvm.baselines.baseline import Baseline, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
-from pytest_smolvm.limits import DEFAULT_MEMORY_MB
+from pytest_smolvm.limits import LIMITS
 from tests.security.conftest import HOST_SECRET_VAR
 
 ROOT = os.geteuid() == 0
@@ -357,7 +357,7 @@ def test_8_default_limits_apply(make_vm: Callable[..., VM], ns_backend: Namespac
             for memory_file in ("memory.limit_in_bytes", "memory.max"):
                 if memory_file in names:
                     # the processes' default, plus the tmpfs disk whose files are charged here too
-                    assert int(Path(d, memory_file).read_text()) == (DEFAULT_MEMORY_MB + DEFAULT_DISK_MB) << 20
+                    assert int(Path(d, memory_file).read_text()) == (LIMITS.memory_mb + LIMITS.disk_mb) << 20
     else:  # no cgroup can be had (user namespace): rlimits instead
         assert vm.exec("ulimit -u").stdout.strip() == "4096"
         assert vm.exec("ulimit -f").stdout.strip() != "unlimited"

@@ -21,7 +21,7 @@ import pytest
 
 from pytest_smolvm.baselines.archive import apply_layer
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.errors import GuestError, UnsafeArchive
 from pytest_smolvm.handle.aio import AsyncVM
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import paths
@@ -69,7 +69,7 @@ def test_the_issue_repro_link_through_a_dotdot_link_is_refused(tmp_path: Path, c
     dest.mkdir(parents=True)
     data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/d", tarfile.DIRTYPE, "", 0o755),
                 (f"{PAYLOAD}/d/up", tarfile.SYMTYPE, "..", 0o777), (f"{PAYLOAD}/evil", tarfile.SYMTYPE, EVIL, 0o777))
-    with pytest.raises(rules.UnsafeArchive, match=r"evil.*resolves outside"):
+    with pytest.raises(UnsafeArchive, match=r"evil.*resolves outside"):
         _copy(data, dest)
 
 
@@ -80,7 +80,7 @@ def test_a_link_made_later_cannot_turn_an_earlier_one_outward(tmp_path: Path, ca
     data = _tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/a/b", tarfile.DIRTYPE, "", 0o755),
                 (f"{PAYLOAD}/evil", tarfile.SYMTYPE, "a/b/up/../../../host/passwd", 0o777),
                 (f"{PAYLOAD}/a/b/up", tarfile.SYMTYPE, "..", 0o777))
-    with pytest.raises(rules.UnsafeArchive, match=r"evil.*resolves outside"):
+    with pytest.raises(UnsafeArchive, match=r"evil.*resolves outside"):
         _copy(data, dest)
 
 
@@ -181,7 +181,7 @@ def test_metadata_headers_before_one_member_are_bounded_in_total() -> None:
     dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"pax-{uuid.uuid4().hex}"
     dest.mkdir()
     try:
-        with pytest.raises(rules.UnsafeArchive, match="before one member"):
+        with pytest.raises(UnsafeArchive, match="before one member"):
             _copy(data, dest)
     finally:
         for p in sorted(dest.rglob("*"), reverse=True):

@@ -9,7 +9,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from pytest_smolvm.limits import DEFAULT_MEMORY_MB
+from pytest_smolvm import limits as guest_defaults  # 'limits' here means a cgroup's
 
 DEFAULT_PIDS_MAX = 4096  # a guest's fork bomb stops here instead of at the host's limit
 CPU_PERIOD_US = 100_000
@@ -118,7 +118,7 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
     """
     if defaults:
         cpus = cpus or default_cpus()
-        memory_mb = memory_mb or DEFAULT_MEMORY_MB
+        memory_mb = memory_mb or guest_defaults.LIMITS.memory_mb
     if memory_mb:
         memory_mb += disk_mb
     made: list[str] = []

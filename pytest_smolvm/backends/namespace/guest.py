@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import (
     Cancel,
     GuestExecResult,
@@ -30,14 +31,12 @@ from pytest_smolvm.baselines.baseline import Rootfs
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
 
-FILE_OP_TIMEOUT = 900.0  # seconds for one file operation in the guest (a FIFO, a stalled helper)
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
     "LANG": "C.UTF-8",
 }
 STREAM_BUFFER = 1 << 20
-DESTROY_TIMEOUT = 10.0
 
 
 class NamespaceGuest:
@@ -89,7 +88,7 @@ class NamespaceGuest:
 
     def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
                  stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None,
-                 timeout: float = FILE_OP_TIMEOUT, stdout_fd: int | None = None) -> None:
+                 timeout: float = limits.LIMITS.guest_file_op, stdout_fd: int | None = None) -> None:
         user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
@@ -224,7 +223,7 @@ class NamespaceGuest:
                 self._channel.send({"op": "keep"}, [theirs.fileno()])
             finally:
                 theirs.close()
-            ours.settimeout(DESTROY_TIMEOUT)
+            ours.settimeout(limits.LIMITS.destroy_one_namespace_guest)
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
 
@@ -259,8 +258,9 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if not wait_gone(pid, DESTROY_TIMEOUT):
-            raise GuestError(f"guest init {pid} did not exit within {DESTROY_TIMEOUT:.0f}s of SIGKILL")
+        if not wait_gone(pid, limits.LIMITS.destroy_one_namespace_guest):
+            raise GuestError(f"guest init {pid} did not exit within "
+                             f"{limits.LIMITS.destroy_one_namespace_guest:.0f}s of SIGKILL")
     elif not pid:
         # Recorded before create returned (see reserve): whatever runs in the
         # guest's own cgroup is that guest's, half made.

@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from pytest_smolvm import limits
 from pytest_smolvm.errors import ProvisionError
 
 INSTALL_HINT = "network=True on the namespace backend needs pasta: apt-get install -y passt"
 PROHIBITED = ("169.254.0.0/16",)
-READY_TIMEOUT = 10.0
 
 # Runs as its own process: starts pasta (argv[3:]) with the guest's namespace fds (argv[2]) and
 # kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
@@ -123,7 +123,7 @@ def start_nat(init_pid: int, scratch: Path,
     finally:
         for fd in fds:
             os.close(fd)
-    deadline = time.monotonic() + READY_TIMEOUT
+    deadline = time.monotonic() + limits.LIMITS.network_ready
     while not pidfile.exists():
         if watcher.poll() is not None or time.monotonic() > deadline:
             err = watcher.stderr.read().decode(errors="replace") if watcher.stderr else ""

@@ -23,10 +23,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import BackendOptions, Guest, ProbeResult, VMSpec
 from pytest_smolvm.backends.smol.common import (
     DEFAULT_CPUS,
-    DEFAULT_READY_TIMEOUT,
     DEFAULT_TTL_SECONDS,
     DERIVED,
     IMAGE_ARCHIVE_SUFFIXES,
@@ -47,7 +47,6 @@ from pytest_smolvm.backends.smol.sdk import remove_fork_lock
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import state_dir
 from pytest_smolvm.host.procs import host_identity, process_start_time
-from pytest_smolvm.limits import DEFAULT_MEMORY_MB
 
 if TYPE_CHECKING:
     from smol import Machine, MachineConfig
@@ -75,7 +74,7 @@ class SmolBackend:
 
     def __init__(self, options: BackendOptions | None = None, *,
                  ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = DEFAULT_CPUS,
-                 memory_mb: int = DEFAULT_MEMORY_MB, ready_timeout: float = DEFAULT_READY_TIMEOUT) -> None:
+                 memory_mb: int = limits.LIMITS.memory_mb, ready_timeout: float = limits.LIMITS.smol_ready) -> None:
         options = options or BackendOptions()
         target, labels = options.target, options.labels
         if target not in TARGETS:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from pytest_smolvm.backends.base import ProbeResult
+from pytest_smolvm.backends.selection import select_backend
 from pytest_smolvm.backends.smol import probe as probe_mod
 from pytest_smolvm.backends.smol.probe import pvm_evidence
-from pytest_smolvm.session.plan import select_backend
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
 from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.backends.smol import handle as smol_handle
@@ -28,9 +29,7 @@ if TYPE_CHECKING:
     from smol import Machine
 
 # The agent kills a timed-out command itself; this host-side backstop only fires if it does not.
-EXEC_CANCEL_GRACE = 30.0
 # mkdir/tar/rm for file transfers: generous for big trees, but a wedged guest must not hang a test.
-PLUMBING_TIMEOUT = 600.0
 SCRATCH = "/tmp/.pytest-smolvm"  # per-guest exec plumbing files (one exec at a time per guest)
 # Runs the command with its output in files. Arguments: mode (run|trim), file prefix, output
 # limit, stdin file ("" for none), then argv. "trim" only shortens files a timed-out "run" left.
@@ -210,7 +209,7 @@ class ExecPlumbing:
         canceller, run = exec_cancellable(self._machine, command, opts)
         if canceller is None or run is None:
             return self._machine.exec(command, opts)
-        timer = threading.Timer(timeout + EXEC_CANCEL_GRACE, canceller.cancel)
+        timer = threading.Timer(timeout + limits.LIMITS.smol_exec_cancel_grace, canceller.cancel)
         timer.daemon = True
         timer.start()
         try:

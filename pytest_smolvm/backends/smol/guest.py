@@ -24,9 +24,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.smol import handle as smol_handle
 from pytest_smolvm.backends.smol.common import _describe, _is_gone
-from pytest_smolvm.backends.smol.exec_plumbing import PLUMBING_TIMEOUT, SCRATCH, ExecPlumbing
+from pytest_smolvm.backends.smol.exec_plumbing import SCRATCH, ExecPlumbing
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.untrusted import rules
@@ -159,14 +160,14 @@ class SmolGuest(ExecPlumbing):
         """A guest file read whole (the SDK has no ranged read), refused past copy_out's byte cap."""
         from smol import SmolError
 
-        if size is not None and size > rules.DEFAULT_MAX_BYTES:
-            raise GuestError(f"{what}: more than {rules.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        if size is not None and size > limits.LIMITS.copy_out_bytes:
+            raise GuestError(f"{what}: more than {limits.LIMITS.copy_out_bytes} bytes (the cap); refused")
         try:
             data = self._machine.read_file(path)
         except SmolError as exc:
             raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
-        if len(data) > rules.DEFAULT_MAX_BYTES + rules.HEADER_ALLOWANCE * 1024:
-            raise GuestError(f"{what}: more than {rules.DEFAULT_MAX_BYTES} bytes (the cap); refused")
+        if len(data) > limits.LIMITS.copy_out_bytes + rules.HEADER_ALLOWANCE * 1024:
+            raise GuestError(f"{what}: more than {limits.LIMITS.copy_out_bytes} bytes (the cap); refused")
         return bytes(data)
 
     def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:
@@ -175,7 +176,7 @@ class SmolGuest(ExecPlumbing):
 
         try:
             result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
-                                    workdir=None, timeout=PLUMBING_TIMEOUT, user=user)
+                                    workdir=None, timeout=limits.LIMITS.smol_plumbing, user=user)
         except SmolError as exc:
             raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
         if result.exit_code != 0:

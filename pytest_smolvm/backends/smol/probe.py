@@ -37,12 +37,12 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 from pytest_smolvm.host.paths import cache_dir
 from pytest_smolvm.host.procs import process_start_time
 
-DEFAULT_TIMEOUT = 20.0
 TIMEOUT_ENV = "PYTEST_SMOLVM_PROBE_TIMEOUT"
 CACHE_FILE = "probe.json"
 # A timed-out boot can be a slow first run while the engine unpacks its 36 MB guest rootfs: it
@@ -81,7 +81,7 @@ def probe_timeout() -> float:
             value = 0.0
         if value > 0:
             return value
-    return DEFAULT_TIMEOUT
+    return limits.LIMITS.smol_probe_boot
 
 
 def smolmachines_version() -> str | None:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.baselines.oci.reference import DOCKER_HUB, DOCKER_HUB_AUTH_KEY
 from pytest_smolvm.errors import UsageError
 
 AUTH_ENV = "PYTEST_SMOLVM_REGISTRY_AUTH"
 _HOST = re.compile(r"(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
                    r"|[A-Za-z0-9-]+:[0-9]+")
-HELPER_TIMEOUT = 30  # seconds: a credential helper waiting on a desktop prompt must not hang the run
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _from_helper(helper: str, server: str, registry: str) -> Credentials | None:
                          "which is not installed (install it, or pass --smol-registry-auth)")
     try:
         done = subprocess.run([program, "get"], input=server, capture_output=True, text=True,
-                              timeout=HELPER_TIMEOUT)
+                              timeout=limits.LIMITS.credential_helper)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UsageError(f"registry {registry}: credential helper {program} failed: {exc}") from None
     if done.returncode != 0:

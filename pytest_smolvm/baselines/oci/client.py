@@ -16,11 +16,11 @@ import urllib.request
 from http.client import HTTPException, HTTPResponse
 from typing import Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.baselines.oci import auth
 from pytest_smolvm.baselines.oci.reference import ImageRef, is_loopback
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import RegistryError
 
-TIMEOUT = 60.0  # seconds without a byte before a request is given up
 MAX_MANIFEST = 4 << 20  # what the distribution registry itself accepts
 MAX_TOKEN = 1 << 20
 USER_AGENT = "pytest-smolvm"
@@ -30,10 +30,6 @@ MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
 ACCEPT = ", ".join(INDEX_TYPES + MANIFEST_TYPES)
 _PARAM = re.compile(r'(\w+)="([^"]*)"')
-
-
-class RegistryError(UsageError):
-    """Pulling an image failed: the message names the image and what to do."""
 
 
 class Client:
@@ -77,7 +73,7 @@ class Client:
                 # Unredirected: a blob redirect to a CDN must not carry the registry's credentials.
                 request.add_unredirected_header("Authorization", self._authorization)
             try:
-                response: HTTPResponse = urllib.request.urlopen(request, timeout=TIMEOUT)
+                response: HTTPResponse = urllib.request.urlopen(request, timeout=limits.LIMITS.registry_idle)
                 return response
             except urllib.error.HTTPError as exc:
                 challenge = exc.headers.get("WWW-Authenticate", "")
@@ -151,7 +147,7 @@ class Client:
         self.requests.append(parts.path)
         try:
             with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers),
-                                        timeout=TIMEOUT) as response:
+                                        timeout=limits.LIMITS.registry_idle) as response:
                 body: Any = json.loads(response.read(MAX_TOKEN))
         except urllib.error.HTTPError as exc:
             exc.close()

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from pytest_smolvm.baselines.oci import store
-from pytest_smolvm.baselines.oci.client import Client, RegistryError
+from pytest_smolvm.baselines.oci.client import Client
 from pytest_smolvm.baselines.oci.reference import ImageRef, parse
+from pytest_smolvm.errors import DigestMismatch, RegistryError
 from pytest_smolvm.host.paths import cache_dir
-from pytest_smolvm.plugin.progress import Progress, megabytes
+from pytest_smolvm.host.progress import Progress, megabytes
 
 if TYPE_CHECKING:
     from pytest_smolvm.baselines.baseline import Baseline
@@ -139,7 +140,7 @@ class _Puller:
                     raise self.error(f"reading {what} {digest[:19]} broke off: {exc!r}") from None
             try:
                 store.put_bytes(digest, body)
-            except store.DigestMismatch:
+            except DigestMismatch:
                 raise self.error(f"{what} {digest[:19]} from {self.ref.registry} does not match its digest "
                                  "(corrupt or tampered); nothing was cached") from None
         try:
@@ -224,7 +225,7 @@ class _Puller:
 
             try:
                 _, downloaded = store.fetch(digest, int(layer["size"]), open_blob, on_bytes)
-            except store.DigestMismatch:
+            except DigestMismatch:
                 raise self.error(f"layer {digest[:19]} from {self.ref.registry} is corrupt (its bytes do not "
                                  "match its digest); nothing was cached") from None
             except (OSError, HTTPException) as exc:
@@ -269,7 +270,7 @@ def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
                     raise
                 reader.verify(layer["digest"])
         progress.done(f"{len(layers)} layer(s) unpacked")
-    except store.DigestMismatch as exc:
+    except DigestMismatch as exc:
         raise UsageError(f"--smol-baseline={title}: cached layer {str(exc)[:19]} is damaged; "
                          "remove it from the cache (see docs/baselines.md) and run again") from None
     except FileNotFoundError as exc:

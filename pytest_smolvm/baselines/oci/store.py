@@ -17,13 +17,10 @@ from typing import IO, Any
 
 from filelock import FileLock
 
+from pytest_smolvm.errors import DigestMismatch
 from pytest_smolvm.host.paths import cache_dir
 
 CHUNK = 1 << 20
-
-
-class DigestMismatch(Exception):
-    """The bytes read do not hash to the digest they were asked for."""
 
 
 def root() -> Path:

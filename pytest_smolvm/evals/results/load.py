@@ -8,16 +8,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pytest_smolvm.errors import ResultsError
+
 KNOWN_VERSIONS = frozenset({1})
 CAUSES = ("passed", "failed", "timeout", "oom", "setup", "skipped", "crashed")
 # Version 1 lines carry no cause; it is read from pytest's outcome and the one-line message.
 _TIMEOUT = re.compile(r"timed? ?out|Timeout", re.IGNORECASE)
 _OOM = re.compile(r"\bOOM\b|out of memory|killed for memory|oom[-_ ]kill", re.IGNORECASE)
 _SETUP = re.compile(r"ProvisionError|provision|UsageError|MarkerError")
-
-
-class ResultsError(ValueError):
-    """A results file that cannot be read: the message names the file and line."""
 
 
 def read(path: Path) -> list[dict[str, Any]]:

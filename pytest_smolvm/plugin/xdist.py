@@ -1,0 +1,87 @@
+"""Everything pytest-xdist's controller and workers say to each other: one module, every key.
+
+The controller tells each worker, through ``workerinput``, the run it belongs to, where the plan
+service listens, and the paths the controller resolved (relative paths must mean the same file
+in every process); each worker tells the controller, through ``workeroutput``, what went wrong
+in its teardowns and what long host work it did. Only the controller registers :class:`Controller`,
+and only where xdist is installed: its hook names exist only then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+# workerinput: controller -> worker
+RUN_ID = "smolvm_run_id"  # the run's id, the same in every process
+PLAN_SERVICE = "smolvm_plan_service"  # the controller's plan service, "host:port:secret"
+ARTIFACTS_DIR = "smolvm_artifacts"  # the controller's resolved --smol-artifacts dir, or absent
+RESULTS_PATH = "smolvm_results"  # the controller's resolved --smol-results path, or "" for none
+# workeroutput: worker -> controller
+PROBLEMS = "smolvm_problems"  # teardown problems the worker met, for the controller's summary
+WORK = "smolvm_work"  # the worker's long host-side work (pulls, unpacks), for the summary
+
+CONTROLLER_NAME = "smolvm-xdist"
+
+
+def worker_input(config: pytest.Config) -> dict[str, Any] | None:
+    """What the controller told this worker; None in the controller or a run without xdist."""
+    found: dict[str, Any] | None = getattr(config, "workerinput", None)
+    return found
+
+
+def is_worker(config: pytest.Config) -> bool:
+    return worker_input(config) is not None
+
+
+def report_to_controller(config: pytest.Config, problems: list[str], work: list[str]) -> None:
+    """Hand this worker's teardown problems and host work to the controller (a no-op elsewhere)."""
+    output = getattr(config, "workeroutput", None)
+    if output is not None:
+        output[PROBLEMS] = list(problems)
+        output[WORK] = list(work)
+
+
+class Controller:
+    """The controller's side: inputs for every worker it starts, outputs from every one that ends."""
+
+    def __init__(self) -> None:
+        self._inputs: dict[str, Callable[[], str | None]] = {}
+        self.problems: list[str] = []
+        self.work: list[str] = []
+        self._on_node_down: list[Callable[[bool], None]] = []
+
+    def tell_workers(self, key: str, value: Callable[[], str | None]) -> None:
+        """Give every worker ``key``, with ``value()`` as it is when the worker starts (None: omit)."""
+        self._inputs[key] = value
+
+    def on_worker_down(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(crashed)`` whenever a worker ends."""
+        self._on_node_down.append(callback)
+
+    def pytest_configure_node(self, node: Any) -> None:
+        for key, value in self._inputs.items():
+            given = value()
+            if given is not None:
+                node.workerinput[key] = given
+
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        output = getattr(node, "workeroutput", {})
+        self.problems.extend(output.get(PROBLEMS, []))
+        self.work.extend(output.get(WORK, []))
+        for callback in self._on_node_down:
+            callback(bool(error))
+
+
+def controller(config: pytest.Config) -> Controller | None:
+    """This run's :class:`Controller`, made on first use; None in a worker or without xdist."""
+    if is_worker(config) or not config.pluginmanager.hasplugin("xdist"):
+        return None
+    found = config.pluginmanager.get_plugin(CONTROLLER_NAME)
+    if found is None:
+        found = Controller()
+        config.pluginmanager.register(found, CONTROLLER_NAME)
+    assert isinstance(found, Controller)
+    return found
