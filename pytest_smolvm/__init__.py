@@ -11,16 +11,19 @@ from pytest_smolvm.errors import (
     MarkerError,
     ProvisionError,
     SmolVMError,
+    SmolVMWarning,
     UsageError,
 )
 
 if TYPE_CHECKING:
+    from pytest_smolvm.evals.episodes import episode_seed, read_results
     from pytest_smolvm.handle.aio import AsyncVM
     from pytest_smolvm.handle.vm import VM, ExecResult
     from pytest_smolvm.session.library import Session
 
 __all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "MarkerError", "ProvisionError",
-           "Session", "SmolVMError", "UsageError"]
+           "Session", "SmolVMError", "SmolVMWarning", "UsageError", "episode_seed",
+           "read_results"]
 __version__ = "0.1.0"
 
 
@@ -35,6 +38,10 @@ def __getattr__(name: str) -> Any:
         from pytest_smolvm.handle.aio import AsyncVM
 
         return AsyncVM
+    if name in ("episode_seed", "read_results"):
+        from pytest_smolvm.evals import episodes
+
+        return getattr(episodes, name)
     if name == "Session":
         from pytest_smolvm.session.library import Session
 

@@ -61,3 +61,7 @@ class UnsafeArchive(GuestError):
 
 class DigestMismatch(Exception):
     """The bytes read do not hash to the digest they were asked for."""
+
+
+class SmolVMWarning(UserWarning):
+    """A guest could not be destroyed; its registry record stays for the reaper."""

@@ -181,9 +181,10 @@ def test_a_backend_close_that_raises_is_reported_not_an_internal_error(
 def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -> None:
     import threading
 
+    from pytest_smolvm import SmolVMWarning
     from pytest_smolvm.host import registry
     from pytest_smolvm.session.plan import Planner
-    from pytest_smolvm.session.pool import GuestPool, SmolVMWarning
+    from pytest_smolvm.session.pool import GuestPool
     from pytest_smolvm.session.settings import MarkerSpec, Settings
 
     planner = Planner(Settings(backend="namespace"), "r" * 32, "main")

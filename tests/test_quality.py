@@ -142,3 +142,18 @@ def test_rooms_import_only_downwards() -> None:
     upward = sorted(f"{name} -> {dep}" for name, deps in import_graph().items() for dep in deps
                     if room(name) and room(dep) and rank[room(dep)] < rank[room(name)])  # type: ignore[index]
     assert upward == []
+
+
+def test_the_public_api_is_what_the_reference_says() -> None:
+    """Every name in ``__all__`` imports, and the reference's import line names exactly them."""
+    import re
+
+    import pytest_smolvm
+
+    for name in pytest_smolvm.__all__:
+        assert getattr(pytest_smolvm, name) is not None, name
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    block = re.search(r"from pytest_smolvm import \(([^)]*)\)", reference)
+    assert block is not None
+    documented = {name.strip() for name in block.group(1).split(",")}
+    assert documented == set(pytest_smolvm.__all__)

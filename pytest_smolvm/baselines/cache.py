@@ -37,7 +37,7 @@ def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     final = store / key
     # A finished tree comes into place whole (a staging dir renamed, image.json written inside it
     # first) and nothing removes one, so a hit needs no lock: every run but a host's first takes
-    # this path, without importing filelock (~16 ms on the way to a run's first guest).
+    # this path, without importing filelock (on the way to a run's first guest).
     if (final / "image.json").is_file():
         return _load_rootfs(final)
     store.mkdir(parents=True, exist_ok=True)

@@ -235,7 +235,7 @@ class GuestHandle:
 
 @functools.cache
 def _host_gnu_tar() -> str | None:
-    """The host's GNU tar, if any: ~10x faster than tarfile per member on the trees tests copy."""
+    """The host's GNU tar, if any: much faster than tarfile per member on the trees tests copy."""
     path = shutil.which("tar")
     if path is None:
         return None

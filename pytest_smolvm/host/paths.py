@@ -48,8 +48,8 @@ def runtime_dir() -> Path:
     """Records and scratch dirs of guests that are only processes and mounts of this host.
 
     Nothing of such a guest survives a reboot, so neither need its records: they go to a
-    tmpfs, where a record's save costs a fifth of what it costs on a disk filesystem (0.034
-    against 0.19 ms of CPU on ext4 here, three per guest). The XDG runtime dir if the session
+    tmpfs, where a record's save costs a fraction of what it costs on a disk filesystem (three
+    per guest; docs/performance.md). The XDG runtime dir if the session
     has one; else ``/run`` for root where it is a tmpfs; else a dir of this user's own in
     ``/dev/shm``; else the state dir. Guests that outlive the host (smol machines, kept ones
     included) stay in the state dir. ``PYTEST_SMOLVM_STATE_DIR``, when set, holds both.

@@ -138,7 +138,7 @@ class Bounded:
 
     A thread because a call the engine never answers (a hung destroy) must not hold its caller,
     and the signals it defers, forever: past the bound the call is left to its thread. A kept
-    one because starting a thread per call cost ~0.15 ms of CPU here, once per guest. A thread
+    one because starting a thread per call costs CPU once per guest (docs/performance.md). A thread
     left with a call past its bound is never given another: the next call starts a new one.
     One per calling thread: a call never waits behind another thread's.
     """

@@ -27,7 +27,7 @@ class Slot:
 
 def acquire(max_vms: int) -> Slot:
     """Wait (as long as it takes: the wait shows in the test's duration) for a free slot."""
-    from filelock import FileLock, Timeout  # only runs with a cap import it (~16 ms)
+    from filelock import FileLock, Timeout  # only runs with a cap pay its import
 
     directory = state_dir() / "slots"
     directory.mkdir(parents=True, exist_ok=True)

@@ -128,7 +128,7 @@ def resolve_baseline(requested: str | None, settings: Settings, backend: str, *,
     """``requested`` as ``backend`` will use it: resolved, pinned and pulled if it is a registry
     image, and checked; a bad one is a UsageError naming ``option``."""
     found = baselines.resolve(requested, settings.rootdir, option=option)
-    if found.kind == "registry":  # the OCI client's imports (urllib, ssl: ~50 ms) only for an image
+    if found.kind == "registry":  # the OCI client's imports (urllib, ssl) only for an image
         from pytest_smolvm.baselines.oci.pull import pin_registry_image
 
         found = pin_registry_image(found, settings, backend, option=option, run_id=run_id)

@@ -30,7 +30,7 @@ from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, UsageError
+from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.session import capacity
@@ -63,10 +63,6 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class SmolVMWarning(UserWarning):
-    """A guest could not be destroyed; its registry record stays for the reaper."""
 
 
 @dataclass
@@ -210,11 +206,10 @@ class GuestPool:
         or holds memory), no ``--smol-max-vms`` cap may count a guest nobody uses yet, and the
         host must have more than one core and at least one per xdist worker. The guests made
         ahead are work the next tests would do anyway: with a core per worker they fill the
-        time the worker waits on its guest (at ``-n 2`` on 2 cores the cores sat idle ~30% of
-        an eval run without it); on one core, or with more workers than cores, they would only
+        time the worker waits on its guest (without it the cores sit idle while guests are
+        made: docs/performance.md); on one core, or with more workers than cores, they would only
         compete with the tests. With two cores or more per worker, two are made at once: the
-        setups overlap on the cores (one at a time left the test waiting ~5 ms per test on a
-        2-core host, docs/performance.md).
+        setups overlap on the cores (one at a time left the test waiting: docs/performance.md).
         """
         if self._make_ahead is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

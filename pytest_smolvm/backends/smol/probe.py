@@ -13,7 +13,7 @@ is not taken for a working one.
 An answer is cached per host, boot, user, smolmachines version and ``/dev/kvm`` identity,
 because none of those change within a boot unless someone fixes the host (which changes the
 ``/dev/kvm`` mode or group and so the key): a run on a host where no microVM boots would
-otherwise pay a probe boot (seconds, ~20 s on first use) every so often, inside the duration
+otherwise pay a probe boot (seconds; more on the engine's first use) every so often, inside the duration
 of whichever test came first. A user who fixes the host by other means (a module, a group
 membership) runs ``pytest-smolvm doctor``, which re-probes and replaces the cached answer. Only
 a timed-out boot is trusted for minutes: it can be the engine's slow first start.

@@ -155,8 +155,8 @@ class Init:
         """Start an exec request's command through posix_spawn (vfork + execve), not os.fork.
 
         Why: os.fork() of this Python process copies its page tables, and then each side pays
-        a copy-on-write fault for every page it touches until the child's execve; on this
-        project's (paravirtualized) hosts that is ~2 ms per exec. posix_spawn uses vfork: no
+        a copy-on-write fault for every page it touches until the child's execve; on
+        paravirtualized hosts that is most of an exec's cost (docs/performance.md). posix_spawn uses vfork: no
         copy, and no Python runs between the two (subprocess.Popen's Python, in a freshly
         forked init, costs copy-on-write faults of its own). The command starts in a new
         session (its pid is its process group, for timeouts), with default dispositions for

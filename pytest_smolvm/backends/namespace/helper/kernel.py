@@ -113,7 +113,7 @@ JANITOR_WAIT = 5.0  # seconds for orphaned guests' inits to exit after their own
 
 # The C library through the interpreter's own symbols, not ctypes.util.find_library: that
 # imports subprocess and tempfile, whose threading and random register at-fork hooks, and
-# every guest's fork would then run them (~0.6 ms a fork here).
+# every guest's fork would then run them.
 _libc = ctypes.CDLL(None, use_errno=True)
 
 

@@ -69,7 +69,7 @@ class _Creating:
         """Read what the setup process reported so far; the reply once it is all there.
 
         The reply comes as soon as the guest has reported, without waiting for a setup process
-        to exit: tearing down its copy of our address space takes ~1 ms here, and the host need
+        to exit: tearing down its copy of our address space takes time, and the host need
         not wait for that. The zygote's loop reaps it (_reap_children) like any other child.
         """
         chunk = os.read(self.report_r, 1 << 16)
@@ -246,7 +246,7 @@ def _preload() -> None:
 
 def _shed_boot_memory() -> None:
     """Give back the heap that compiling this file left behind: every guest's fork copies the
-    page tables of what this process holds, and its exit unmaps them (~0.1 ms a fork here)."""
+    page tables of what this process holds, and its exit unmaps them."""
     gc.collect()
     trim = getattr(_libc, "malloc_trim", None)  # glibc's; other C libraries may not have it
     if trim is not None:
