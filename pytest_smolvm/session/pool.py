@@ -276,6 +276,7 @@ class GuestPool:
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
         live.guest.keep()
+        live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
         live.record.kept = True
         live.record.save()
         self.live.pop(live.vm.name, None)

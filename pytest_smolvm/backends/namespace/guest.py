@@ -27,6 +27,7 @@ from pytest_smolvm.backends.base import (
 from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
@@ -58,6 +59,7 @@ class NamespaceGuest:
         # none. The group part is not honoured separately: the user's own groups apply.
         self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
+        self.kept = False
         self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
 
     # ---------------------------------------------------------------- the Guest protocol
@@ -217,19 +219,25 @@ class NamespaceGuest:
         return ""  # a namespace guest has no console; its history is the exec transcript
 
     def keep(self) -> None:
+        """Let the guest outlive its owner, and open its shell door (see ``shell``): a socket
+        in this guest's private scratch dir whose connections the init serves like its owner's."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with ours:
+        with ours, bind_door(self.scratch) as door:
             try:
-                self._channel.send({"op": "keep"}, [theirs.fileno()])
+                self._channel.send({"op": "keep"}, [theirs.fileno(), door.fileno()])
             finally:
                 theirs.close()
             ours.settimeout(limits.LIMITS.destroy_one_namespace_guest)
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
+        self.kept = True
 
     def registry_data(self) -> dict[str, Any]:
-        return {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
+        data = {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
                 "cgroups": self.cgroup_dirs}
+        if self.kept:
+            data["shell_door"] = SHELL_DOOR
+        return data
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -270,6 +278,7 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
         cgroups.remove(path)
     scratch = data.get("scratch")
     if scratch:
+        remove_door(scratch)
         try:
             os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
         except FileNotFoundError:

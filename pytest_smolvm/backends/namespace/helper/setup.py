@@ -17,9 +17,6 @@ import traceback
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.init import Init
-
-# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
-# root once we are inside it. Never load guest-provided code into a privileged process.
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
