@@ -121,7 +121,8 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
 
 
 def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
-    """A normal user's guest (a user namespace) asking for the network is refused, not given the host's."""
+    """A normal user's guest (a user namespace) gets the same NAT and the same fence as root's:
+    it used to be refused, and before that it was given the host's network."""
     from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
 
     if shutil.which("setpriv") is None or _nobody_cannot_import():
@@ -129,12 +130,32 @@ def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_intern
     home = Path(tempfile.mkdtemp(prefix="smolvm-egress-nobody-"))
     try:
         home.chmod(0o755)
-        (home / "test_user.py").write_text("""
+        (home / "test_user.py").write_text(f"""
+import socket, threading
 import pytest
 
+@pytest.fixture
+def host_server():
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))
+    server.listen(16)
+    threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(16)], daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
 @pytest.mark.smol(network=True)
-def test_nat(smol_vm):
-    pass
+def test_nat(smol_vm, host_server):
+    r = smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+    assert "reached" in r.stdout, r.stderr
+    for addr in ("127.0.0.1", "{HOST_SIDE}"):
+        assert smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}").exit_code != 0, addr
+    assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
+    assert smol_vm.exec("ip route del prohibit 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
+
+@pytest.mark.smol(allow_hosts=["{stand_in_internet}"])
+def test_allowlist(smol_vm):
+    assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo ok").stdout
+    assert smol_vm.exec("nc -z -w 2 {OTHER_HOST} 8080").exit_code != 0
 """)
         for sub in ("state", "cache", "tmp"):
             (home / sub).mkdir()
@@ -147,9 +168,7 @@ def test_nat(smol_vm):
             ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
              "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
             cwd=home, env=env, capture_output=True, text=True, timeout=300)
-        # Not NAT yet in this mode, and never the host's network (what it was before): refused, one line.
-        assert "1 error" in result.stdout, result.stdout + result.stderr
-        assert "network=True on the namespace backend needs root for now" in result.stdout
+        assert "2 passed" in result.stdout, result.stdout + result.stderr
         assert _pasta_processes(home) == []
     finally:
         shutil.rmtree(home, ignore_errors=True)

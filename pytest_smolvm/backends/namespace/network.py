@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -96,33 +97,62 @@ def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4N
     return nets, names
 
 
-def start_nat(init_pid: int, scratch: Path,
+def receive_namespaces(ctl: socket.socket, name: str) -> dict[str, int]:
+    """The guest's namespace fds its setup process sent on the control socket (``"net"``, and
+    ``"user"`` in user-namespace mode, whose init no host process may open through /proc)."""
+    ctl.settimeout(limits.LIMITS.network_ready)
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 2)
+    except OSError as exc:
+        raise ProvisionError(f"namespace guest {name}: its namespaces never came for the network: {exc}") from None
+    finally:
+        ctl.settimeout(None)
+    try:
+        names = json.loads(data)["namespaces"]
+        if len(names) != len(fds) or not set(names) <= {"net", "user"} or "net" not in names:
+            raise ValueError(names)
+    except (ValueError, KeyError, TypeError):
+        for fd in fds:
+            os.close(fd)
+        raise ProvisionError(f"namespace guest {name}: a malformed namespace message") from None
+    return dict(zip(names, fds, strict=True))
+
+
+def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
               allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
-    """Attach pasta to the guest's network namespace and fence off the host; the watcher process."""
-    binary = pasta()
-    pidfile = scratch / "pasta.pid"
-    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    # Not root (user-namespace mode): the guest's netns belongs to its user namespace, which
-    # this user owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
-    userns = -1 if os.geteuid() == 0 else os.open(f"/proc/{init_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    """Attach pasta to the guest's network namespace and fence off the host; the watcher process.
+
+    ``namespaces`` (from :func:`receive_namespaces`) are closed here, whatever happens."""
+    netns = namespaces["net"]
+    # User-namespace mode: the guest's netns belongs to its user namespace, which this user
+    # owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
+    userns = namespaces.get("user", -1)
     fds = (netns,) if userns < 0 else (netns, userns)
     try:
-        # Fence first: the guest runs nothing before create returns, and the routes do not
-        # depend on the interface pasta makes.
-        prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
-        _ip_in(netns, userns, "".join(f"route replace prohibit {p}\n" for p in prefixes))
-        # As root pasta would switch to nobody and could no longer join the namespace;
-        # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
-        who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
-        argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
-                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
-                "--netns", f"/proc/self/fd/{netns}"]
-        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
+        return _start_nat(init_pid, scratch, netns, userns, allowed)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _start_nat(init_pid: int, scratch: Path, netns: int, userns: int,
+               allowed: list[ipaddress.IPv4Network] | None) -> subprocess.Popen[bytes]:
+    binary = pasta()
+    fds = (netns,) if userns < 0 else (netns, userns)
+    pidfile = scratch / "pasta.pid"
+    # Fence first: the guest runs nothing before create returns, and the routes do not
+    # depend on the interface pasta makes.
+    prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
+    _ip_in(netns, userns, "".join(f"route replace prohibit {p}\n" for p in prefixes))
+    # As root pasta would switch to nobody and could no longer join the namespace;
+    # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
+    who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+    argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
+            "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
+            "--netns", f"/proc/self/fd/{netns}"]
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
     deadline = time.monotonic() + limits.LIMITS.network_ready
     while not pidfile.exists():
         if watcher.poll() is not None or time.monotonic() > deadline:
@@ -134,33 +164,28 @@ def start_nat(init_pid: int, scratch: Path,
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
     if allowed is not None:
         try:
-            _allow_only(init_pid, allowed)
+            _allow_only(netns, userns, allowed)
         except BaseException:
             stop_nat(watcher)
             raise
     return watcher
 
 
-def _allow_only(init_pid: int, allowed: list[ipaddress.IPv4Network]) -> None:
+def _allow_only(netns: int, userns: int, allowed: list[ipaddress.IPv4Network]) -> None:
     """Refuse every address but ``allowed``: two /1 prohibit routes beat pasta's default route,
     a route per allowed network (more specific) goes through pasta's gateway. The host's own
     addresses and 169.254.0.0/16 stay refused: a /32 prohibit beats any allowed network, and an
     allowed /32 equal to one of them is left out."""
-    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        probe = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", "-4", "route", "show", "default"],
-                               pass_fds=(netns,), capture_output=True, text=True, check=False).stdout.split()
-        if "via" not in probe or "dev" not in probe:
-            raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
-        gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
-        fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
-            ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
-        batch = "route add prohibit 0.0.0.0/1\nroute add prohibit 128.0.0.0/1\n"
-        for net in sorted(set(allowed) - fenced):
-            batch += f"route add {net} via {gateway} dev {dev} onlink\n"
-        _ip_in(netns, -1, batch)
-    finally:
-        os.close(netns)
+    probe = _ip_in(netns, userns, "route show default\n").split()  # IPv4: ip route's default family
+    if "via" not in probe or "dev" not in probe:
+        raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
+    gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
+    fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
+        ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
+    batch = "route add prohibit 0.0.0.0/1\nroute add prohibit 128.0.0.0/1\n"
+    for net in sorted(set(allowed) - fenced):
+        batch += f"route add {net} via {gateway} dev {dev} onlink\n"
+    _ip_in(netns, userns, batch)
 
 
 def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
@@ -172,7 +197,7 @@ def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
         watcher.stderr.close()
 
 
-def _ip_in(netns: int, userns: int, batch: str) -> None:
+def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
     enter = [f"--net=/proc/self/fd/{netns}"]
     if userns >= 0:
@@ -182,3 +207,4 @@ def _ip_in(netns: int, userns: int, batch: str) -> None:
                           capture_output=True, text=True, check=False)
     if done.returncode:
         raise ProvisionError(f"ip in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
+    return done.stdout
