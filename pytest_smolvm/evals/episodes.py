@@ -309,6 +309,8 @@ class EpisodesPlugin:
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
+            "egress": {"allowed": sum(a.connections for g in guests for a in g.egress if a.allowed),
+                       "refused": sum(a.connections for g in guests for a in g.egress if not a.allowed)},
             "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,
             "baseline_digest": first.digest if first else None,

@@ -150,7 +150,7 @@ def test_nat(smol_vm, host_server):
     for addr in ("127.0.0.1", "{HOST_SIDE}"):
         assert smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}").exit_code != 0, addr
     assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
-    assert smol_vm.exec("ip route del prohibit 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
+    assert smol_vm.exec("ip route del 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
 
 @pytest.mark.smol(allow_hosts=["{stand_in_internet}"])
 def test_allowlist(smol_vm):
@@ -194,7 +194,8 @@ def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pyt
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta: apt-get install -y passt*"])
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta and nftables: "
+                                 "apt-get install -y passt nftables*"])
 
 
 def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(
@@ -235,7 +236,7 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
             assert not get(smol_vm, "{OTHER_HOST}"), "an address not on the allowlist was reached"
             assert not get(smol_vm, "{HOST_SIDE}"), "the host was reached"
             assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
-            assert smol_vm.exec("ip route del prohibit 0.0.0.0/1").exit_code != 0  # no CAP_NET_ADMIN
+            assert smol_vm.exec("ip route del 0.0.0.0/1").exit_code != 0  # no netlink, no CAP_NET_ADMIN
 
         @pytest.mark.smol(allow_hosts=["10.231.0.0/24"])
         def test_by_cidr(smol_vm):
@@ -254,4 +255,36 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*allow_hosts: 'no-such-name.invalid' does not resolve on the host*"])
+    assert _pasta_processes(smol_state) == []
+
+
+def test_the_egress_ledger_records_every_attempt_in_the_log_and_the_results(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    """Every connection a guest attempted, allowed or refused, shows in its log (so in every
+    report sink) and as counts in its results line; a refused one is answered at once."""
+    pytester.makepyfile(f"""
+        import time
+        import pytest
+
+        @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
+        def test_tries(smol_vm):
+            assert smol_vm.exec("wget -q -T 3 -O /dev/null http://{INTERNET_HOST}:8080/").exit_code == 0
+            started = time.monotonic()
+            for _ in range(2):
+                assert smol_vm.exec("nc -z -w 5 {OTHER_HOST} 8080").exit_code != 0
+            assert time.monotonic() - started < 4, "a refused connection should be answered, not time out"
+            assert smol_vm.exec("nc -z -w 5 169.254.169.254 80").exit_code != 0
+            log = smol_vm.logs()
+            assert "allowed tcp {INTERNET_HOST}:8080 (1x)" in log, log
+            assert "refused tcp {OTHER_HOST}:8080 (2x)" in log, log
+            assert "refused tcp 169.254.169.254:80 (1x)" in log, log
+            assert False, "fail, so the report shows the guest's log"
+    """)
+    result = pytester.runpytest_subprocess("--smol-results=results.jsonl")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*egress ledger (3 destination(s), 3 refused connection(s)):*",
+                                 f"*refused tcp {OTHER_HOST}:8080 (2x)*"])
+    import json
+    [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
+    assert line["egress"] == {"allowed": 1, "refused": 3}
     assert _pasta_processes(smol_state) == []

@@ -134,8 +134,8 @@ class NamespaceBackend:
         guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
         if networked:
             try:
-                namespaces = _nsnet.receive_namespaces(ctl, spec.name)
-                guest.nat = _nsnet.start_nat(guest.pid, scratch, namespaces,
+                guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)
+                guest.nat = _nsnet.start_nat(guest.pid, scratch, guest.namespaces,
                                              allowed[0] if allowed is not None else None)
                 if allowed is not None and allowed[1]:
                     hosts = "".join(f"{a} {name}\n" for name, addrs in allowed[1].items() for a in addrs)

@@ -21,6 +21,7 @@ from typing import IO, Any
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import (
     Cancel,
+    EgressAttempt,
     GuestExecResult,
     OutputCallback,
 )
@@ -29,7 +30,7 @@ from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.errors import GuestError, ProvisionError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
 
 BASE_ENV = {
@@ -61,6 +62,7 @@ class NamespaceGuest:
         self._destroyed = False
         self.kept = False
         self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
+        self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
 
     # ---------------------------------------------------------------- the Guest protocol
 
@@ -216,7 +218,21 @@ class NamespaceGuest:
             raise GuestError(f"{message['op']} in {self.name}: the stream's reader stopped")
 
     def logs(self) -> str:
-        return ""  # a namespace guest has no console; its history is the exec transcript
+        # No console: its history is the exec transcript, and with the network, its egress ledger.
+        if not self.namespaces:
+            return ""
+        try:
+            return _nsnet.render_ledger(self.egress())
+        except GuestError as exc:
+            return str(exc)
+
+    def egress(self) -> list[EgressAttempt]:
+        if not self.namespaces or self._destroyed:
+            return []
+        try:
+            return _nsnet.read_ledger(self.namespaces)
+        except (ProvisionError, OSError, ValueError) as exc:
+            raise GuestError(f"guest {self.name}: cannot read its egress ledger: {exc}") from exc
 
     def keep(self) -> None:
         """Let the guest outlive its owner, and open its shell door (see ``shell``): a socket
@@ -246,6 +262,9 @@ class NamespaceGuest:
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         if self.nat is not None:
             _nsnet.stop_nat(self.nat)  # exiting by itself already: the guest's init is gone
+        for fd in self.namespaces.values():
+            os.close(fd)
+        self.namespaces = {}
         self._destroyed = True
 
 
