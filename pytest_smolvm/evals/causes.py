@@ -20,12 +20,14 @@ from pytest_smolvm.errors import ExecError
 if TYPE_CHECKING:
     from pytest_smolvm.session.pool import LiveGuest
 
+
 def _timed_out(exc: BaseException | None) -> bool:
     if isinstance(exc, ExecError):
         return bool(getattr(exc.result, "timed_out", False))
-    # pytest-timeout's signal method fails the test with exactly this (its thread method kills
-    # the worker: a crashed line). pytest.fail's exception is only raised by test code and plugins.
-    return isinstance(exc, pytest.fail.Exception) and str(exc).startswith("Timeout >")
+    # pytest-timeout's signal method fails the test with "Timeout (>Ns) from pytest-timeout." (its
+    # thread method kills the worker: a crashed line). pytest.fail is raised by test code and
+    # plugins on the host, never by a guest.
+    return isinstance(exc, pytest.fail.Exception) and str(exc).startswith("Timeout (>")
 
 
 def oom_kills(guests: Sequence[LiveGuest]) -> int:
