@@ -165,7 +165,7 @@ def intervals(rows: Sequence[tuple[str, Span, bool]], title: str, xlabel: str, z
     With ``zero``, a dashed line at 0 (the comparison: an interval that misses it is flagged)."""
     if not rows:
         return empty(title)
-    labels = [_clip(label, 40) for label, _, _ in rows]
+    labels = [_clip(label, 40) for label, _, _ in rows]  # the tail: where task names differ
     left = min(260, 16 + 6 * max(len(label) for label in labels))
     row_height = 22
     height = _TOP + _BOTTOM + row_height * len(rows)
@@ -225,4 +225,4 @@ def empty(title: str) -> str:
 
 
 def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return text if len(text) <= limit else "…" + text[len(text) - limit + 1:]
