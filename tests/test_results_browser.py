@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from pytest_smolvm.evals.results.html_report import report
 from pytest_smolvm.evals.results.load import read
 from tests import tools
@@ -57,3 +59,26 @@ def test_the_report_renders_in_headless_chromium_with_no_network(tmp_path: Path)
         assert plot["width"] > 100 and plot["height"] > 40 and plot["marks"] > 0, plot
     assert seen["rows"] == 16
     assert seen["up"] == sorted(seen["up"]) and seen["down"] == sorted(seen["down"], reverse=True)
+
+
+def test_the_pytest_html_section_renders_in_headless_chromium(pytester: pytest.Pytester, smol_state: Path) -> None:
+    chromium = tools.require("chromium", "the pytest-html report is checked in a real browser")
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.parametrize("task", ["a", "b"])
+        @pytest.mark.smol_episodes(3)
+        def test_agent(smol_episode, task):
+            smol_episode.record(smol_episode.index / 2)
+            assert smol_episode.index < 2, "guest said <b>hi</b>"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--html=report.html", "--self-contained-html")
+    result.assert_outcomes(passed=4, failed=2)
+    probe = """JSON.stringify(Array.from(document.querySelectorAll(".smolvm-evals svg.plot")).map((svg) => {
+      const box = svg.getBoundingClientRect(); return [svg.dataset.plot, box.width, box.height]; }))"""
+    page = visit(chromium, pytester.path / "report.html", probe)
+    assert page.errors == []
+    assert all(url.startswith("file://") for url in page.requests), page.requests
+    plots = json.loads(page.value)
+    assert {kind for kind, _, _ in plots} >= {"curve", "strip", "outcomes", "intervals"}
+    assert all(width > 100 and height > 40 for _, width, height in plots), plots
