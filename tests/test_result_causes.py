@@ -1,9 +1,10 @@
 """Result lines v2: each episode's ``cause``, judged from what the host measured (never from guest
-text), the link to its saved guest log, and the pytest run's own summary with intervals and
-the outcome breakdown. Real pytest runs in subprocesses."""
+text), the link to its saved guest log, large parameters referenced by digest, and the pytest
+run's own summary with intervals and the outcome breakdown. Real pytest runs in subprocesses."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,3 +92,27 @@ def test_an_oom_kill_the_cgroup_counted_makes_the_cause_oom() -> None:
     assert causes.of("failed", failed_call, {}, [_guest(timed_out=True)]) == "timeout"
     assert causes.of("failed", failed_call, {}, [_guest()]) == "failed"
     assert causes.of("passed", failed_call, {}, [_guest(oom_kills=3)]) == "passed"  # it coped
+
+
+def test_a_large_parameter_is_referenced_not_embedded(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        class Config:
+            def __str__(self):
+                return "c" * 5000
+
+        @pytest.mark.parametrize(("prompt", "config", "task"), [("p" * 100_000, Config(), "t")], ids=["big"])
+        @pytest.mark.smol_episodes(1)
+        def test_agent(smol_episode, prompt, config, task):
+            smol_episode.record(1)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-results=r.jsonl")
+    result.assert_outcomes(passed=1)
+    raw = (pytester.path / "r.jsonl").read_text()
+    assert len(raw) < 4000  # one small line, not the 105 KB of parameters
+    params = json.loads(raw)["params"]
+    assert params["task"] == "t"
+    prompt = json.dumps("p" * 100_000)
+    assert params["prompt"] == {"sha256": hashlib.sha256(prompt.encode()).hexdigest(), "chars": len(prompt)}
+    assert params["config"]["chars"] == 5002  # its str(), as JSON

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_smolvm.evals import causes
+from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
 from pytest_smolvm.plugin import artifacts, xdist
 
@@ -144,14 +145,6 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return lines
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value, allow_nan=False)
-        return value
-    except (TypeError, ValueError):
-        return str(value)  # objects, NaN: their text is what a reader of the results can use
 
 
 def _short_message(report: pytest.TestReport) -> str:
@@ -288,7 +281,7 @@ class EpisodesPlugin:
         spec = _spec_of(item)
         episode = item.stash.get(EPISODE_KEY, None)
         callspec = getattr(item, "callspec", None)
-        params = {k: _jsonable(v) for k, v in (callspec.params.items() if callspec else ()) if k != EPISODE_ARG}
+        params = line_params.of((k, v) for k, v in (callspec.params.items() if callspec else ()) if k != EPISODE_ARG)
         case = callspec.id if callspec else ""
         if spec is not None and callspec is not None:
             case = _case_id(callspec.id, f"ep{spec.index}")
