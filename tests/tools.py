@@ -19,6 +19,7 @@ PACKAGES = {
     "gcc": "gcc libc6-dev",  # the hostile-guest suite's static syscall probe
     "setpriv": "util-linux",  # user-namespace mode runs as an unprivileged user
     "tar": "tar",  # GNU tar writes the sparse members the extractor tests read
+    "chromium": "chromium",  # the results report is opened in a real, headless browser
 }
 
 

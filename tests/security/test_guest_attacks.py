@@ -374,6 +374,8 @@ def test_8b_an_oom_kill_is_reported(make_vm: Callable[..., VM], ns_backend: Name
     assert result.exit_code != 0
     assert "ran out of memory" in result.stderr
     assert "ran out of memory" in vm.transcript_text()
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest) and guest.oom_kills >= 1  # what a result line's cause reads
 
 
 def test_8c_process_limit_holds(vm: VM) -> None:

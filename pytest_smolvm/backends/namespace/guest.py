@@ -64,6 +64,12 @@ class NamespaceGuest:
         self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
 
+    @property
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for memory in this guest, as of its last exec: a fact the
+        host read from the guest's cgroup, which a result line's ``cause`` may trust."""
+        return self._oom_kills
+
     # ---------------------------------------------------------------- the Guest protocol
 
     def exec(self, argv: Sequence[str], *, env: Mapping[str, str], workdir: str | None,
