@@ -194,9 +194,11 @@ class Store:
         disk_mb = machine.disk_gb * 1024 if machine.disk_gb else DEFAULT_DISK_MB
         spec = VMSpec(name=f"{machine.id}-{next(self._seq)}", baseline=machine.lower.baseline,
                       cpus=machine.cpus, memory_mb=machine.memory_mb, disk_mb=disk_mb,
-                      # An allow-list cannot be enforced on a namespace guest: it gets no network at
-                      # all, so a test that needs an allowed host fails here rather than passing.
-                      network=machine.network.mode == "open")
+                      # The service's three egress modes (transport.py:2512-2525), each enforced by
+                      # the namespace guest: open is NAT, blocked is none, allowCidrs is its allowlist.
+                      network=machine.network.mode == "open",
+                      allow_hosts=(*machine.network.cidrs, *machine.network.hosts)
+                      if machine.network.mode == "allowCidrs" else ())
         try:
             return self.backend.create(spec)
         except (ProvisionError, OSError) as exc:
