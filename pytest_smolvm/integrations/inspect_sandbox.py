@@ -31,15 +31,13 @@ from pytest_smolvm.session.library import Session
 
 WORKDIR = "/workspace"  # the sample's working directory, made writable by the config's user
 
-_sessions: dict[str, Session] = {}  # one per (task, config): task_init makes it, task_cleanup closes it
+# One per config: task_init makes it, task_cleanup closes it. Not per task: Inspect calls those
+# two once per config for the whole eval, with the names "startup" and "shutdown".
+_sessions: dict[str, Session] = {}
 
 
-def _key(task_name: str, config: SmolvmSandboxConfig) -> str:
-    return f"{task_name}\0{config.model_dump_json()}"
-
-
-def _session(task_name: str, config: SmolvmSandboxConfig) -> Session:
-    key = _key(task_name, config)
+def _session(config: SmolvmSandboxConfig) -> Session:
+    key = config.model_dump_json()
     session = _sessions.get(key)
     if session is None:  # sample_init without task_init (Inspect's own checks do this)
         session = _sessions[key] = Session(baseline=config.baseline, setup=config.setup,
@@ -80,7 +78,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
         settings = load(config)
-        session = _session(task_name, settings)
+        session = _session(settings)
         # The baseline is prepared once here (pull/unpack/warm setup): a throwaway guest does it.
         vm = await session.acreate(f"{task_name}:init", **settings.guest_keywords())
         await session.adestroy(vm)
@@ -89,7 +87,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         settings = load(config)
-        session = _session(task_name, settings)
+        session = _session(settings)
         keywords = settings.guest_keywords()
         user = keywords.get("user")  # the VM runs file operations as it too
         environments: dict[str, SandboxEnvironment] = {}
@@ -114,7 +112,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        session = _sessions.pop(_key(task_name, load(config)), None)
+        session = _sessions.pop(load(config).model_dump_json(), None)
         if session is not None:
             await session.aclose()  # destroys what samples left, then reaps this run's leftovers
 
