@@ -2,7 +2,7 @@
 
 Inspect loads this module through the ``inspect_ai`` entry point; nothing else imports it, so
 pytest runs and library users pay nothing for it. Guests come only from
-:class:`pytest_smolvm.session.library.Session` (one per task, keyed by task name and config), so
+:class:`pytest_smolvm.session.library.Session` (one per sandbox config), so
 their lifecycle, registry records and reaping are the plugin's own.
 """
 
