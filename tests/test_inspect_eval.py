@@ -27,6 +27,7 @@ from inspect_ai import task_with  # noqa: E402
 from inspect_ai.log import EvalLog, list_eval_logs, read_eval_log  # noqa: E402
 
 from pytest_smolvm.integrations.inspect_config import SmolvmSandboxConfig  # noqa: E402
+from tests.leaks import guest_processes  # noqa: E402
 
 TASK_DIR = Path(__file__).with_name("inspect_eval")
 SAMPLES = 4
@@ -61,14 +62,33 @@ def test_an_inspect_eval_in_this_process_with_a_config_object(tmp_path: Path, sm
     assert_scored_in_the_guests(log)
 
 
-def test_inspect_eval_on_the_command_line_with_smolvm_toml(tmp_path: Path, smol_state: Path) -> None:
+def inspect_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "inspect_ai", *args], cwd=tmp_path, env=os.environ.copy(),
+                          input="y\n", capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def eval_on_the_command_line(tmp_path: Path, *options: str) -> EvalLog:
     shutil.copytree(TASK_DIR, tmp_path / "task")
     logs = tmp_path / "logs"
     # The task's parent as the working dir: Inspect finds smolvm.toml beside the task file.
-    done = subprocess.run([sys.executable, "-m", "inspect_ai", "eval", "task/squares.py",
-                           "--model", "mockllm/model", "--log-dir", str(logs), "--display", "plain",
-                           "--max-samples", str(SAMPLES)],
-                          cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    inspect_cli(tmp_path, "eval", "task/squares.py", "--model", "mockllm/model", "--log-dir", str(logs),
+                "--display", "plain", "--max-samples", str(SAMPLES), *options)
     [info] = list_eval_logs(str(logs))
-    assert_scored_in_the_guests(read_eval_log(info))
+    return read_eval_log(info)
+
+
+def test_inspect_eval_on_the_command_line_with_smolvm_toml(tmp_path: Path, smol_state: Path) -> None:
+    assert_scored_in_the_guests(eval_on_the_command_line(tmp_path))
+
+
+def test_no_sandbox_cleanup_keeps_the_samples_guests_until_inspect_sandbox_cleanup(
+        tmp_path: Path, smol_state: Path) -> None:
+    from pytest_smolvm.host.registry import records
+
+    assert_scored_in_the_guests(eval_on_the_command_line(tmp_path, "--no-sandbox-cleanup"))
+    kept = [r for r in records() if r.kept]
+    assert len(kept) == SAMPLES and guest_processes(smol_state), [r.name for r in records()]
+    inspect_cli(tmp_path, "sandbox", "cleanup", "smolvm")
+    assert list(records()) == []

@@ -114,16 +114,28 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
                            cleanup: bool) -> None:
         session = _sessions.pop(load(config).model_dump_json(), None)
         if session is not None:
-            await session.aclose()  # destroys what samples left, then reaps this run's leftovers
+            # Destroys what samples left, then reaps this run's leftovers; with Inspect's
+            # --no-sandbox-cleanup (no sample_cleanup ran) the samples' guests are kept instead.
+            await session.aclose(keep=not cleanup)
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
-        """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper."""
-        from pytest_smolvm.handle.aio import in_thread
-        from pytest_smolvm.session.reaper import reap_orphans
+        """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper.
 
-        names = None if id is None else {id: None}
-        await in_thread(lambda: reap_orphans(names=names))
+        Kept guests too where they are a Session's (``--no-sandbox-cleanup`` keeps the samples'),
+        or named; a pytest run's ``--smol-keep`` guests are left to ``pytest-smolvm reap --kept``.
+        """
+        from pytest_smolvm.handle.aio import in_thread
+        from pytest_smolvm.host import registry
+        from pytest_smolvm.session.library import WORKER
+        from pytest_smolvm.session.reaper import destroy_record
+
+        def select(record: registry.Record) -> bool:
+            if id is not None and record.name != id:
+                return False
+            return registry.orphaned(record, include_kept=id is not None or record.worker == WORKER)
+
+        await in_thread(lambda: registry.reap(select, destroy_record))
 
     async def _prepare_workdir(self) -> None:
         owner = "root" if self._user is None else str(self._user)
