@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
 
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.errors import ResultsError
@@ -95,8 +98,6 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _results(args: argparse.Namespace) -> int:
     """Summarize result files, and compare each later one with the first."""
-    from pathlib import Path
-
     from pytest_smolvm.evals.results.load import read
     from pytest_smolvm.evals.results.terminal import comparison, run_summary
 
@@ -110,6 +111,25 @@ def _results(args: argparse.Namespace) -> int:
     base_path, base = runs[0]
     for path, lines in runs[1:]:
         print("\n".join(comparison(base_path, base, path, lines)))
+    if args.html is not None:
+        return _write_html(Path(args.html), runs)
+    return 0
+
+
+def _write_html(out: Path, runs: list[tuple[Path, list[dict[str, Any]]]]) -> int:
+    from pytest_smolvm.evals.results.html_report import report
+
+    partial = out.with_name(f".{out.name}.partial")
+    try:  # whole or not at all: a browser left open on the old report never sees half a page
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(report(runs, out), encoding="utf-8")
+        os.replace(partial, out)
+    except OSError as exc:
+        if partial.parent.is_dir():
+            partial.unlink(missing_ok=True)
+        print(f"pytest-smolvm results: --html {out}: cannot write it: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
     return 0
 
 
@@ -145,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     results = sub.add_parser("results", help="summarize --smol-results files; with two or more, compare "
                              "each with the first, paired by task and seed")
     results.add_argument("files", nargs="+", metavar="RUN.jsonl")
+    results.add_argument("--html", metavar="OUT.html", help="also write one self-contained HTML report: plots, "
+                         "intervals, the episodes table and the comparison (no network needed to open it)")
     results.set_defaults(run=_results)
     shell = sub.add_parser("shell", help="open a shell in a kept guest")
     shell.add_argument("name")

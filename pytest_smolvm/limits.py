@@ -40,6 +40,7 @@ class Limits:
     report_section_chars: int = 32_000  # characters per guest in a test's report section
     report_file_chars: int = 8 << 20  # characters per transcript or log file kept beside a report
     artifacts_bytes: int = 64 << 20  # bytes of collected guest files per test, all guests together
+    result_param_chars: int = 2048  # a parametrize value's JSON in a result line; a longer one is referenced by sha256
 
     # ---- how long the host waits
     # The longest wait poll(2) and Python's timers take (2**31 - 1 ms, about 24.8 days): a longer

@@ -19,8 +19,9 @@ from pytest_smolvm.evals.episodes import append_line, episode_seed, read_results
 from pytest_smolvm.evals.summary import format_compact, format_table, pass_at_k, summarize
 
 EVALS = Path(__file__).resolve().parent.parent / "examples" / "evals"
-REQUIRED = {"v", "test", "function", "case", "params", "episode", "episodes", "seed", "outcome", "message",
-            "reward", "info", "durations", "vms", "backend", "baseline", "baseline_digest", "worker", "run_id"}
+REQUIRED = {"v", "test", "function", "case", "params", "episode", "episodes", "seed", "outcome", "cause", "message",
+            "reward", "info", "durations", "vms", "backend", "baseline", "baseline_digest", "worker", "run_id",
+            "artifacts"}
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -123,7 +124,8 @@ def test_example_eval_suite_writes_one_line_per_episode(pytester: pytest.Pyteste
         assert ln["function"] == "evals/test_evals.py::test_agent"
         assert ln["params"] == {"task": ln["case"]} and ln["case"] in tasks
         assert ln["seed"] == episode_seed(0, ln["episode"]) and ln["episodes"] == 4
-        assert ln["outcome"] == "passed" and 0 <= ln["reward"] <= 1 and ln["info"]["task"] == ln["case"]
+        assert ln["outcome"] == ln["cause"] == "passed" and 0 <= ln["reward"] <= 1 and ln["info"]["task"] == ln["case"]
+        assert ln["v"] == 2 and ln["artifacts"] is None  # no --smol-artifacts: nothing saved to link
         assert set(ln["durations"]) == {"setup", "call", "teardown", "provision", "destroy"}
         assert ln["durations"]["provision"] > 0 and ln["durations"]["destroy"] >= 0  # destroy: handed off
         assert len(ln["vms"]) == 1 and ln["vms"][0].startswith("smol-")
@@ -225,6 +227,7 @@ def test_killed_worker_leaves_the_other_lines_intact(pytester: pytest.Pytester, 
     assert sorted(by_episode) == list(range(6))
     crashed = by_episode.pop(3)
     assert crashed["outcome"] == "error" and crashed["crashed"] is True and "crashed" in crashed["message"]
+    assert crashed["cause"] == "crashed" and crashed["v"] == 2
     assert all(ln["outcome"] == "passed" and ln["reward"] == 1.0 for ln in by_episode.values())
     row = _table_row(result.stdout.str(), "test_killed_worker_leaves_the_other_lines_intact.py::test_episode")
     assert row[:6] == ["1", "6", "5", "0.833", "1.000", "6"]

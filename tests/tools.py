@@ -22,6 +22,7 @@ PACKAGES = {
     "useradd": "passwd",  # shadow's user tools, run in a guest (tests/backends/test_user_tools.py)
     "userdel": "passwd",
     "id": "coreutils",
+    "chromium": "chromium",  # the results report is opened in a real, headless browser
 }
 
 

@@ -2,7 +2,7 @@
 
 A network namespace with one HTTP server, joined to the host by a veth pair on a private
 subnet of its own (one per xdist worker, so parallel runs do not collide). Needs root and
-`ip` (iproute2), as the namespace backend's NAT does (`apt-get install -y passt iproute2`).
+`ip` (iproute2), as the namespace backend's NAT does (`apt-get install -y passt nftables iproute2`).
 """
 
 import os
@@ -15,12 +15,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def package_index(tmp_path_factory):
-    missing = [tool for tool in ("ip", "pasta") if shutil.which(tool) is None]
+    search = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # nft lives in sbin
+    missing = [tool for tool in ("ip", "pasta", "nft") if shutil.which(tool, path=search) is None]
     if missing or os.geteuid() != 0:
         why = f"{' and '.join(missing)} missing" if missing else "not root"
         if os.environ.get("CI"):  # .ci/run installs them and runs as root: a skip there hides a gap
-            pytest.fail(f"the network example needs root, ip and pasta ({why})")
-        pytest.skip(f"the network example needs root, ip and pasta ({why}): apt-get install -y passt iproute2")
+            pytest.fail(f"the network example needs root, ip, pasta and nft ({why})")
+        pytest.skip(f"the network example needs root, ip, pasta and nft ({why}): "
+                    "apt-get install -y passt nftables iproute2")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw99")
     subnet = f"10.232.{int(worker.removeprefix('gw') or 99) % 200 + 1}"
     served = tmp_path_factory.mktemp("index")

@@ -78,6 +78,21 @@ class BackendOptions:
 
 
 @dataclass(frozen=True)
+class EgressAttempt:
+    """One destination a guest tried to reach, and whether its allowlist let it."""
+
+    address: str
+    protocol: str  # "tcp" or "udp"
+    port: int
+    allowed: bool
+    connections: int  # new flows (a TCP SYN or a UDP flow's first datagram) to it
+
+    def render(self) -> str:
+        verdict = "allowed" if self.allowed else "refused"
+        return f"{verdict} {self.protocol} {self.address}:{self.port} ({self.connections}x)"
+
+
+@dataclass(frozen=True)
 class GuestExecResult:
     exit_code: int
     stdout: bytes
@@ -165,6 +180,11 @@ class Guest(Protocol):
         """
 
     def logs(self) -> str: ...
+
+    def egress(self) -> list[EgressAttempt]:
+        """Every destination the guest tried to reach so far, allowed or refused; [] where the
+        backend keeps no ledger (the smol SDK reports none)."""
+        ...
 
     def keep(self) -> None:
         """Let the guest outlive the process that made it (``--smol-keep``)."""

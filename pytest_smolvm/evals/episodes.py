@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_smolvm.evals import causes
+from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
 from pytest_smolvm.plugin import artifacts, xdist
 
@@ -42,7 +44,7 @@ MARKER = ("smol_episodes(n, seed=0): run this test as n episodes (ids ep0..ep{n-
           "guest and a deterministic seed; the smol_episode fixture records rewards (pytest-smolvm)")
 RESULT_ATTR = "smolvm_result"  # on the teardown report
 REWARD_PROPERTY = "smolvm_reward"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: cause and artifacts (docs/evals.md); readers take 1 as well
 _CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
 
 
@@ -145,14 +147,6 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return lines
 
 
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value, allow_nan=False)
-        return value
-    except (TypeError, ValueError):
-        return str(value)  # objects, NaN: their text is what a reader of the results can use
-
-
 def _short_message(report: pytest.TestReport) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr or "")
@@ -197,6 +191,7 @@ def _case_id(callspec_id: str, episode_id: str) -> str:
 @dataclass
 class _Reports:
     by_phase: dict[str, pytest.TestReport] = field(default_factory=dict)
+    errors: dict[str, BaseException] = field(default_factory=dict)  # what each failed phase raised
 
 
 EPISODE_KEY = pytest.StashKey[Episode]()
@@ -266,8 +261,10 @@ class EpisodesPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
             None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        reports = item.stash.setdefault(REPORTS_KEY, _Reports()).by_phase
+        reports = (state := item.stash.setdefault(REPORTS_KEY, _Reports())).by_phase
         reports[report.when] = report
+        if call.excinfo is not None:
+            state.errors[report.when] = call.excinfo.value
         if report.when == "teardown" and (self.results is not None or _spec_of(item) is not None
                                           or EPISODE_KEY in item.stash):  # else nobody reads the line
             line = self.result_line(item, reports)
@@ -284,7 +281,7 @@ class EpisodesPlugin:
         spec = _spec_of(item)
         episode = item.stash.get(EPISODE_KEY, None)
         callspec = getattr(item, "callspec", None)
-        params = {k: _jsonable(v) for k, v in (callspec.params.items() if callspec else ()) if k != EPISODE_ARG}
+        params = line_params.of((k, v) for k, v in (callspec.params.items() if callspec else ()) if k != EPISODE_ARG)
         case = callspec.id if callspec else ""
         if spec is not None and callspec is not None:
             case = _case_id(callspec.id, f"ep{spec.index}")
@@ -304,16 +301,20 @@ class EpisodesPlugin:
             "episodes": spec.episodes if spec else (episode.episodes if episode else None),
             "seed": spec.seed if spec else (episode.seed if episode else None),
             "outcome": outcome,
+            "cause": causes.of(outcome, reports, item.stash[REPORTS_KEY].errors, guests),
             "message": message,
             "reward": episode.reward if episode else None,
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
+            "egress": {"allowed": sum(a.connections for g in guests for a in g.egress if a.allowed),
+                       "refused": sum(a.connections for g in guests for a in g.egress if not a.allowed)},
             "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,
             "baseline_digest": first.digest if first else None,
             "worker": self.run.worker,
             "run_id": self.run.run_id,
+            "artifacts": artifacts.saved_dir(item),
         }
 
     def write(self, line: Mapping[str, Any]) -> None:
@@ -357,8 +358,8 @@ class EpisodesPlugin:
             "function": match["function"] if match else report.nodeid.split("[")[0],
             "case": (match["case"] or "") if match else "", "params": {},
             "episode": int(match["index"]) if match else None, "episodes": None, "seed": None,
-            "outcome": "error", "message": str(report.longrepr)[:500], "reward": None, "info": {},
-            "durations": {}, "vms": [], "backend": self._backend(), "baseline": None,
+            "outcome": "error", "cause": "crashed", "message": str(report.longrepr)[:500], "reward": None,
+            "info": {}, "durations": {}, "vms": [], "artifacts": None, "backend": self._backend(), "baseline": None,
             "baseline_digest": None, "worker": worker, "run_id": self.run.run_id, "crashed": True,
         }
 
@@ -376,7 +377,12 @@ class EpisodesPlugin:
         verbosity = self.config.get_verbosity()
         if rows and verbosity >= -1:
             terminalreporter.section("smolvm episodes")
-            for text in (format_table(rows) if verbosity >= 0 else format_compact(rows)):
+            texts = format_compact(rows)
+            if verbosity >= 0:  # the table, then the viewer's intervals and outcome breakdown
+                from pytest_smolvm.evals.results.terminal import details
+
+                texts = [*format_table(rows), *details(self.lines)]
+            for text in texts:
                 terminalreporter.line(text)
         if self.results is not None and verbosity >= -1:
             terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}")

@@ -129,6 +129,12 @@ def test_dir(item: pytest.Item) -> Path | None:
     return None if root is None else root / artifact_dirname(item.nodeid)
 
 
+def saved_dir(item: pytest.Item) -> str | None:
+    """The test's artifacts directory if files were written there (a result line links to it)."""
+    directory = test_dir(item)
+    return str(directory.resolve()) if directory is not None and _state(item).saved else None
+
+
 # ---------------------------------------------------------------------- report sinks
 
 

@@ -73,6 +73,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[WORK_KEY] = glue.work
     episodes.install(config, run)
     artifacts.install(config, run)
+    if workerinput is None and hasattr(config.hook, "pytest_html_results_summary"):  # pytest-html installed
+        from pytest_smolvm.plugin.html_section import HtmlSection
+
+        config.pluginmanager.register(HtmlSection(config), "smolvm-html-section")
 
 
 class GuestTestCounter:

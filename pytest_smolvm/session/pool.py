@@ -23,14 +23,14 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
-from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
+from pytest_smolvm.backends.base import Backend, BackendOptions, EgressAttempt, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
+from pytest_smolvm.errors import BaselineSetupError, GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.session import capacity
@@ -73,6 +73,7 @@ class LiveGuest:
     provision_seconds: float = 0.0
     destroy_seconds: float = 0.0
     slot: capacity.Slot | None = None
+    egress: list[EgressAttempt] = field(default_factory=list)  # read just before it went
 
 
 class GuestPool:
@@ -275,7 +276,9 @@ class GuestPool:
     def keep(self, live: LiveGuest) -> None:
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
+        self._note_egress(live)
         live.guest.keep()
+        live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
         live.record.kept = True
         live.record.save()
         self.live.pop(live.vm.name, None)
@@ -287,6 +290,7 @@ class GuestPool:
         process's next guest call, or at :meth:`close`.
         """
         started = time.monotonic()
+        self._note_egress(live)
         self.live.pop(live.vm.name, None)
         self._teardown.submit(live)
         live.destroy_seconds = time.monotonic() - started  # what the test waited; the rest is off its path
@@ -294,6 +298,7 @@ class GuestPool:
     def destroy(self, live: LiveGuest) -> bool:
         """Destroy and forget; on failure (or past the time bound) warn and leave the record. Never raises."""
         started = time.monotonic()
+        self._note_egress(live)
         self.live.pop(live.vm.name, None)
         with signals_deferred():
             error = self._destroy_now(live)
@@ -302,6 +307,13 @@ class GuestPool:
             self._warn_not_destroyed(live.vm.name, error)
             return False
         return True
+
+    @staticmethod
+    def _note_egress(live: LiveGuest) -> None:
+        try:
+            live.egress = live.guest.egress()
+        except GuestError:
+            live.egress = []  # its log says why; a teardown never fails for the ledger
 
     def _destroy_now(self, live: LiveGuest) -> str | None:
         error = _bounded(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)

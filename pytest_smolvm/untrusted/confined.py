@@ -2,8 +2,9 @@
 nothing but its destination (moby's ``pkg/chrootarchive`` is the model).
 
 :func:`extract` runs :func:`pytest_smolvm.untrusted.hostfs.extract` (the second wall: an fd walk that
-follows no link the stream made) in a short-lived child process fed the stream on a pipe. The
-child, once everything it needs is imported, enters a mount namespace of its own (and a user
+follows no link the stream made) in a short-lived child process fed the stream on a pipe, forked
+by this process's unpacker (:mod:`.unpacker`, started once, everything imported). The child
+enters a mount namespace of its own (and a user
 namespace when not root), makes the destination its root, drops every capability but the few
 creating files with kept owners needs, sets ``no_new_privs``, caps its memory, open files and
 CPU time, and loads a seccomp filter that refuses exec, fork, sockets, mounts, ``mknod`` and
@@ -16,21 +17,26 @@ in-process walker raises.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
 import os
 import resource
+import select
+import signal
+import socket
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
 from pytest_smolvm import limits
-from pytest_smolvm.errors import GuestError, UnsafeArchive
-from pytest_smolvm.untrusted import hostfs, rules
+from pytest_smolvm.errors import UnsafeArchive
+from pytest_smolvm.untrusted import rules
 
 MEMORY_CAP = 1 << 30  # RLIMIT_AS of the helper: Python plus 1 MiB buffers and capped metadata
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
@@ -48,54 +54,115 @@ DENIED = (
 )
 # -S: no site-packages scan (a tenth of the helper's start); the paths it needs come in argv.
 _BOOT = ("import sys; sys.path[:0] = sys.argv[1].split(':'); "
-         "from pytest_smolvm.untrusted.confined import _child; _child()")
+         "from pytest_smolvm.untrusted.unpacker import main; main()")
 
 
 def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Policy,
             caps: rules.Caps | None = None) -> None:
-    """Unpack ``stream`` under the existing directory ``dest`` in the confined helper."""
+    """Unpack ``stream`` under the existing directory ``dest`` in a confined helper child."""
     caps = caps or rules.Caps()
-    config = json.dumps({"policy": vars(policy), "caps": vars(caps)})
-    root_fd = os.open(dest, rules.DIR_FLAGS)
+    config = json.dumps({"policy": vars(policy), "caps": vars(caps)}).encode()
     direct = _pipe_fd(stream)
     read_end = write_end = -1
     if direct < 0:
         read_end, write_end = os.pipe()
+    result_r, result_w = os.pipe2(os.O_CLOEXEC)
+    root_fd = os.open(dest, rules.DIR_FLAGS)
     try:
-        child = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, _import_paths(), str(root_fd), config],
-            stdin=direct if direct >= 0 else read_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(root_fd,), close_fds=True)
+        _UNPACKER.send(config, [root_fd, direct if direct >= 0 else read_end, result_w])
+    except BaseException:
+        for fd in (result_r, write_end):
+            if fd >= 0:
+                os.close(fd)
+        raise
     finally:
-        os.close(root_fd)
-        if read_end >= 0:
-            os.close(read_end)
+        for fd in (root_fd, result_w, read_end):
+            if fd >= 0:
+                os.close(fd)
     pump = None
     if write_end >= 0:
         pump = threading.Thread(target=_pump, args=(stream, write_end), daemon=True, name="smolvm-unpack-pump")
         pump.start()
     try:
-        out, err = child.communicate(timeout=caps.timeout + limits.LIMITS.unpacker_grace)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
-                                   f"{caps.timeout:.0f}s; refused") from None
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise
+        lines = _read_result(result_r, caps.timeout + limits.LIMITS.unpacker_grace, policy)
     finally:
+        os.close(result_r)
         if pump is not None:
             pump.join(timeout=5)
-    if child.returncode == 0:
+    last = lines[-1] if lines else {}
+    if last.get("ok"):
         return
+    raise UnsafeArchive(str(last.get("error") or f"{policy.what}: the unpacking helper died before it finished "
+                                                   "(its memory or CPU cap, or a signal)"))
+
+
+def _read_result(fd: int, timeout: float, policy: rules.Policy) -> list[dict[str, Any]]:
+    """The child's status lines, until it closes its end; past ``timeout`` it is killed."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    pid = 0
     try:
-        message = str(json.loads(out.decode().strip().splitlines()[-1])["error"])
-    except (ValueError, IndexError, KeyError):
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
-        message = f"{policy.what}: the unpacking helper failed: {tail[0][:300]}"
-    raise UnsafeArchive(message)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
+                                    f"{timeout - limits.LIMITS.unpacker_grace:.0f}s; refused")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+            if not pid and b"\n" in data:
+                pid = int(json.loads(data.split(b"\n", 1)[0]).get("pid") or 0)
+            if data.endswith(b"\n") and data.count(b"\n") >= 2:
+                break  # the verdict: the child is only exiting now, no need to wait for it
+    except BaseException:
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a timeout, Ctrl-C: the child stops writing now
+        raise
+    lines = []
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError):
+            lines.append(json.loads(line))
+    return lines
+
+
+class _Unpacker:
+    """This process's unpacker (:mod:`.unpacker`), started on first use and again if it died."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._owner = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def send(self, config: bytes, fds: list[int]) -> None:
+        with self._lock:
+            for attempt in (1, 2):
+                sock = self._ready()
+                try:
+                    socket.send_fds(sock, [config], fds)
+                    return
+                except OSError:
+                    self._sock = None  # it died (killed, OOM): start another once
+                    sock.close()
+                    if attempt == 2:
+                        raise
+
+    def _ready(self) -> socket.socket:
+        if self._sock is not None and self._owner == os.getpid():
+            return self._sock
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _BOOT, _import_paths(), str(theirs.fileno())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), close_fds=True, start_new_session=True)
+        self._sock, self._owner = ours, os.getpid()
+        return ours
+
+
+_UNPACKER = _Unpacker()
 
 
 def _import_paths() -> str:
@@ -134,29 +201,10 @@ def _pump(stream: IO[bytes], fd: int) -> None:
         os.close(fd)
 
 
-# ---------------------------------------------------------------------------- the helper
+# ---------------------------------------------------------------------------- in the helper's child
 
 
-def _child() -> None:
-    root_fd, config = int(sys.argv[2]), json.loads(sys.argv[3])
-    policy = rules.Policy(**config["policy"])
-    caps = rules.Caps(**config["caps"])
-    try:
-        import pyseccomp
-    except (ImportError, OSError):
-        pyseccomp = None
-    try:
-        _confine(root_fd, policy, caps, pyseccomp)
-        hostfs.extract(os.fdopen(0, "rb", buffering=0), "/", policy, caps)
-    except (GuestError, OSError) as exc:
-        sys.stdout.write(json.dumps({"error": str(exc) if isinstance(exc, GuestError)
-                                     else f"{policy.what}: cannot unpack: {exc}"}) + "\n")
-        sys.stdout.flush()
-        os._exit(1)
-    os._exit(0)
-
-
-def _confine(root_fd: int, policy: rules.Policy, caps: rules.Caps, seccomp: Any) -> None:
+def confine(root_fd: int, policy: rules.Policy, caps: rules.Caps, seccomp: Any) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(result: int, what: str) -> None:

@@ -121,7 +121,8 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
 
 
 def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
-    """A normal user's guest (a user namespace) asking for the network is refused, not given the host's."""
+    """A normal user's guest (a user namespace) gets the same NAT and the same fence as root's:
+    it used to be refused, and before that it was given the host's network."""
     from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
 
     if shutil.which("setpriv") is None or _nobody_cannot_import():
@@ -129,12 +130,32 @@ def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_intern
     home = Path(tempfile.mkdtemp(prefix="smolvm-egress-nobody-"))
     try:
         home.chmod(0o755)
-        (home / "test_user.py").write_text("""
+        (home / "test_user.py").write_text(f"""
+import socket, threading
 import pytest
 
+@pytest.fixture
+def host_server():
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))
+    server.listen(16)
+    threading.Thread(target=lambda: [server.accept()[0].close() for _ in range(16)], daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
 @pytest.mark.smol(network=True)
-def test_nat(smol_vm):
-    pass
+def test_nat(smol_vm, host_server):
+    r = smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo reached")
+    assert "reached" in r.stdout, r.stderr
+    for addr in ("127.0.0.1", "{HOST_SIDE}"):
+        assert smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}").exit_code != 0, addr
+    assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
+    assert smol_vm.exec("ip route del 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
+
+@pytest.mark.smol(allow_hosts=["{stand_in_internet}"])
+def test_allowlist(smol_vm):
+    assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo ok").stdout
+    assert smol_vm.exec("nc -z -w 2 {OTHER_HOST} 8080").exit_code != 0
 """)
         for sub in ("state", "cache", "tmp"):
             (home / sub).mkdir()
@@ -147,9 +168,7 @@ def test_nat(smol_vm):
             ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
              "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
             cwd=home, env=env, capture_output=True, text=True, timeout=300)
-        # Not NAT yet in this mode, and never the host's network (what it was before): refused, one line.
-        assert "1 error" in result.stdout, result.stdout + result.stderr
-        assert "network=True on the namespace backend needs root for now" in result.stdout
+        assert "2 passed" in result.stdout, result.stdout + result.stderr
         assert _pasta_processes(home) == []
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -175,7 +194,8 @@ def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pyt
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta: apt-get install -y passt*"])
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta and nftables: "
+                                 "apt-get install -y passt nftables*"])
 
 
 def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(
@@ -216,7 +236,7 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
             assert not get(smol_vm, "{OTHER_HOST}"), "an address not on the allowlist was reached"
             assert not get(smol_vm, "{HOST_SIDE}"), "the host was reached"
             assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
-            assert smol_vm.exec("ip route del prohibit 0.0.0.0/1").exit_code != 0  # no CAP_NET_ADMIN
+            assert smol_vm.exec("ip route del 0.0.0.0/1").exit_code != 0  # no netlink, no CAP_NET_ADMIN
 
         @pytest.mark.smol(allow_hosts=["10.231.0.0/24"])
         def test_by_cidr(smol_vm):
@@ -235,4 +255,36 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*allow_hosts: 'no-such-name.invalid' does not resolve on the host*"])
+    assert _pasta_processes(smol_state) == []
+
+
+def test_the_egress_ledger_records_every_attempt_in_the_log_and_the_results(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    """Every connection a guest attempted, allowed or refused, shows in its log (so in every
+    report sink) and as counts in its results line; a refused one is answered at once."""
+    pytester.makepyfile(f"""
+        import time
+        import pytest
+
+        @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
+        def test_tries(smol_vm):
+            assert smol_vm.exec("wget -q -T 3 -O /dev/null http://{INTERNET_HOST}:8080/").exit_code == 0
+            started = time.monotonic()
+            for _ in range(2):
+                assert smol_vm.exec("nc -z -w 5 {OTHER_HOST} 8080").exit_code != 0
+            assert time.monotonic() - started < 4, "a refused connection should be answered, not time out"
+            assert smol_vm.exec("nc -z -w 5 169.254.169.254 80").exit_code != 0
+            log = smol_vm.logs()
+            assert "allowed tcp {INTERNET_HOST}:8080 (1x)" in log, log
+            assert "refused tcp {OTHER_HOST}:8080 (2x)" in log, log
+            assert "refused tcp 169.254.169.254:80 (1x)" in log, log
+            assert False, "fail, so the report shows the guest's log"
+    """)
+    result = pytester.runpytest_subprocess("--smol-results=results.jsonl")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*egress ledger (3 destination(s), 3 refused connection(s)):*",
+                                 f"*refused tcp {OTHER_HOST}:8080 (2x)*"])
+    import json
+    [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
+    assert line["egress"] == {"allowed": 1, "refused": 3}
     assert _pasta_processes(smol_state) == []

@@ -12,9 +12,11 @@ import contextlib
 import ctypes
 import errno
 import io
+import json
 import os
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -34,6 +36,7 @@ from pytest_smolvm.baselines.baseline import Baseline, tree_digest
 from pytest_smolvm.errors import GuestError, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
+from pytest_smolvm.host.paths import runtime_dir
 from pytest_smolvm.limits import LIMITS
 from tests.security.conftest import HOST_SECRET_VAR
 
@@ -371,6 +374,8 @@ def test_8b_an_oom_kill_is_reported(make_vm: Callable[..., VM], ns_backend: Name
     assert result.exit_code != 0
     assert "ran out of memory" in result.stderr
     assert "ran out of memory" in vm.transcript_text()
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest) and guest.oom_kills >= 1  # what a result line's cause reads
 
 
 def test_8c_process_limit_holds(vm: VM) -> None:
@@ -584,18 +589,16 @@ def _shell(name: str, *command: str) -> subprocess.CompletedProcess[str]:
 
 def test_13_a_shell_in_a_kept_guest_is_confined_like_its_commands(vm: VM) -> None:
     """The shell a user opens by hand in a kept guest ran its files with every capability, no
-    seccomp, no cgroup: the moment a hostile guest waits for. Now it is one more guest command."""
+    seccomp, no cgroup: the moment a hostile guest waits for. Now it is one more command the
+    guest's init runs, in user-namespace mode too (where nothing but root may join a guest)."""
     guest = vm._guest
     assert isinstance(guest, NamespaceGuest)
+    guest.keep()
     record = registry.Record.for_this_process(vm.name, "namespace", "sec", "sec", "test_13")
     record.data, record.kept = guest.registry_data(), True
     record.save()
     try:
         entered = _shell(vm.name, "/bin/sh", "-c", f"{STATUS}; echo from-shell > /tmp/mark; cat /proc/self/cgroup")
-        if not ROOT:  # user-namespace mode: the non-dumpable init's namespaces are root's to join
-            assert entered.returncode == 127 and "cannot enter the guest" in entered.stderr, entered
-            assert vm.exec("test -e /tmp/mark").exit_code == 1 and not Path("/tmp/mark").exists()  # ran nowhere
-            return
         assert entered.returncode == 0, entered.stderr
         own = dict(line.split(":\t") for line in entered.stdout.splitlines() if ":\t" in line)
         theirs = dict(line.split(":\t") for line in vm.exec(STATUS).stdout.splitlines())
@@ -604,9 +607,39 @@ def test_13_a_shell_in_a_kept_guest_is_confined_like_its_commands(vm: VM) -> Non
         assert vm.read_file("/tmp/mark") == b"from-shell\n"  # the guest's own root and mounts
         if guest.cgroup_dirs:
             assert ":/\n" in entered.stdout  # rooted in the guest's own cgroup
+        assert _shell(vm.name, "/bin/sh", "-c", "exit 7").returncode == 7  # the command's own status
+        missing = _shell(vm.name, "/no/such/shell")
+        assert missing.returncode == 127 and "No such file" in missing.stderr, missing
         record.data = {**record.data, "pid_start": -1}  # the recorded init is gone; its pid reused
         record.save()
         stale = _shell(vm.name, "/bin/true")
         assert stale.returncode == 2 and "is gone" in stale.stderr
     finally:
         record.remove()
+
+
+def test_13b_the_shell_door_is_the_users_alone_and_runs_nothing_but_commands(vm: VM) -> None:
+    """The door lives in the guest's private scratch dir (0600 in a 0700 tree); through it only
+    exec and kill are served: not a second keep, not a file operation."""
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest)
+    guest.keep()
+    door_path = guest.scratch / "shell.sock"
+    assert stat.S_ISSOCK(door_path.lstat().st_mode) and stat.S_IMODE(door_path.lstat().st_mode) == 0o600
+    state = guest.scratch.parent.parent
+    assert state == runtime_dir() and stat.S_IMODE(state.stat().st_mode) == 0o700  # nobody else gets past the top
+    door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with door:
+        door.connect(str(door_path))
+        status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with status:
+            request = {"op": "write", "path": "/tmp/by-door", "mode": 420}
+            body_r, body_w = os.pipe()
+            os.write(body_w, b"x")
+            os.close(body_w)
+            socket.send_fds(door, [json.dumps(request).encode()], [body_r, 1, 2, theirs.fileno()])
+            os.close(body_r)
+            theirs.close()
+            status.settimeout(10)
+            assert status.recv(4096) == b""  # refused: its fds closed, nothing run
+    assert vm.exec("test -e /tmp/by-door").exit_code == 1

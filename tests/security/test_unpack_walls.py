@@ -245,7 +245,7 @@ try:
 except ImportError:
     pyseccomp = None
 fd = os.open(sys.argv[2], os.O_RDONLY | os.O_DIRECTORY)
-confined._confine(fd, rules.Policy("test", prefix="payload"), rules.Caps(), pyseccomp)
+confined.confine(fd, rules.Policy("test", prefix="payload"), rules.Caps(), pyseccomp)
 found = []
 for attempt, action in [
     ("read-host-file", lambda: open(sys.argv[3]).read()),
@@ -300,3 +300,75 @@ def test_collected_paths_nested_under_one_another_replace_not_nest(vm: VM, tmp_p
         assert not (files / "a" / "b" / "b").exists()
         assert not (files / "a").is_symlink() and not (files / "a" / "b").is_symlink()
         assert [p.name for p in files.iterdir()] == ["a"]  # no staging copy left
+
+
+# ------------------------------------------------------------------ the unpacker process's lifecycle
+
+_USE_AND_WAIT = """
+import io, os, sys, tarfile, tempfile, time
+from pytest_smolvm.untrusted import confined, rules
+buf = io.BytesIO()
+with tarfile.open(fileobj=buf, mode="w") as tar:
+    info = tarfile.TarInfo("payload/a"); info.size = 1; tar.addfile(info, io.BytesIO(b"x"))
+confined.extract(io.BytesIO(buf.getvalue()), tempfile.mkdtemp(), rules.Policy("t", prefix="payload"))
+print(confined._UNPACKER.process.pid, flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(60)
+"""
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("how", ["exits", "is SIGKILLed"])
+def test_the_unpacker_never_outlives_its_process(how: str) -> None:
+    """The unpacker forks a child per stream and lives only as long as the process that started
+    it: when that process exits, or is killed without a chance to clean up, its socket closes
+    and the unpacker exits too."""
+    import signal
+    import subprocess
+    import sys
+
+    user = subprocess.Popen([sys.executable, "-c", _USE_AND_WAIT, "wait" if how == "is SIGKILLed" else "exit"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert user.stdout is not None
+        unpacker = int(user.stdout.readline())
+        if how == "is SIGKILLed":
+            user.send_signal(signal.SIGKILL)
+        user.wait(timeout=30)
+    finally:
+        user.kill()
+    assert _gone_within(unpacker, 10), f"the unpacker {unpacker} outlived its process"
+
+
+def test_a_dead_unpacker_is_started_again(tmp_path: Path) -> None:
+    from pytest_smolvm.untrusted import confined
+
+    def one(dest: Path) -> None:
+        dest.mkdir()
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("payload/a")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        confined.extract(io.BytesIO(buf.getvalue()), dest, rules.Policy("t", prefix="payload"))
+        assert (dest / "payload" / "a").read_bytes() == b"x"
+
+    one(tmp_path / "first")
+    process = confined._UNPACKER.process
+    assert process is not None
+    process.kill()
+    process.wait(timeout=10)
+    one(tmp_path / "second")  # the send fails on the dead one's socket, and a new one serves it
+    assert confined._UNPACKER.process is not process

@@ -103,12 +103,8 @@ class NamespaceBackend:
 
     def create(self, spec: VMSpec) -> NamespaceGuest:
         allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
-        if spec.network or allowed is not None:
-            if self.userns:
-                # The host cannot open a user-namespace guest's netns yet (its init is not
-                # dumpable; the zygote would have to pass the fd): refused, never the host's network.
-                raise ProvisionError("network=True on the namespace backend needs root for now "
-                                     "(user-namespace mode has no NAT yet): run as root or use the smol backend")
+        networked = bool(spec.network or allowed is not None)
+        if networked:
             _nsnet.pasta()  # the install hint, before anything is made
         rootfs = self.rootfs(spec.baseline)
         state, tag = self._state
@@ -124,7 +120,7 @@ class NamespaceBackend:
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
                 "state": str(state), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
-                "network": spec.network, "userns": self.userns, "seccomp": bpf,
+                "network": spec.network, "send_ns": networked, "userns": self.userns, "seccomp": bpf,
                 "rlimits": self._rlimits(spec, relax),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
@@ -136,9 +132,11 @@ class NamespaceBackend:
             raise
         ctl = socket.socket(fileno=fds[0])
         guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
-        if spec.network or allowed is not None:
+        if networked:
             try:
-                guest.nat = _nsnet.start_nat(guest.pid, scratch, allowed[0] if allowed is not None else None)
+                guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)
+                guest.nat = _nsnet.start_nat(guest.pid, scratch, guest.namespaces,
+                                             allowed[0] if allowed is not None else None)
                 if allowed is not None and allowed[1]:
                     hosts = "".join(f"{a} {name}\n" for name, addrs in allowed[1].items() for a in addrs)
                     guest.exec(["sh", "-c", "cat >> /etc/hosts"], env={}, workdir=None, stdin=hosts.encode(),

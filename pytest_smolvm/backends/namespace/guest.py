@@ -21,14 +21,16 @@ from typing import IO, Any
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import (
     Cancel,
+    EgressAttempt,
     GuestExecResult,
     OutputCallback,
 )
 from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.errors import GuestError, ProvisionError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
 
 BASE_ENV = {
@@ -58,7 +60,15 @@ class NamespaceGuest:
         # none. The group part is not honoured separately: the user's own groups apply.
         self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
+        self.kept = False
         self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
+        self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
+
+    @property
+    def oom_kills(self) -> int:
+        """Processes the kernel killed for memory in this guest, as of its last exec: a fact the
+        host read from the guest's cgroup, which a result line's ``cause`` may trust."""
+        return self._oom_kills
 
     # ---------------------------------------------------------------- the Guest protocol
 
@@ -214,22 +224,42 @@ class NamespaceGuest:
             raise GuestError(f"{message['op']} in {self.name}: the stream's reader stopped")
 
     def logs(self) -> str:
-        return ""  # a namespace guest has no console; its history is the exec transcript
+        # No console: its history is the exec transcript, and with the network, its egress ledger.
+        if not self.namespaces:
+            return ""
+        try:
+            return _nsnet.render_ledger(self.egress())
+        except GuestError as exc:
+            return str(exc)
+
+    def egress(self) -> list[EgressAttempt]:
+        if not self.namespaces or self._destroyed:
+            return []
+        try:
+            return _nsnet.read_ledger(self.namespaces)
+        except (ProvisionError, OSError, ValueError) as exc:
+            raise GuestError(f"guest {self.name}: cannot read its egress ledger: {exc}") from exc
 
     def keep(self) -> None:
+        """Let the guest outlive its owner, and open its shell door (see ``shell``): a socket
+        in this guest's private scratch dir whose connections the init serves like its owner's."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with ours:
+        with ours, bind_door(self.scratch) as door:
             try:
-                self._channel.send({"op": "keep"}, [theirs.fileno()])
+                self._channel.send({"op": "keep"}, [theirs.fileno(), door.fileno()])
             finally:
                 theirs.close()
             ours.settimeout(limits.LIMITS.destroy_one_namespace_guest)
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
+        self.kept = True
 
     def registry_data(self) -> dict[str, Any]:
-        return {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
+        data = {"pid": self.pid, "pid_start": self.pid_start, "scratch": str(self.scratch),
                 "cgroups": self.cgroup_dirs}
+        if self.kept:
+            data["shell_door"] = SHELL_DOOR
+        return data
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -238,6 +268,9 @@ class NamespaceGuest:
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         if self.nat is not None:
             _nsnet.stop_nat(self.nat)  # exiting by itself already: the guest's init is gone
+        for fd in self.namespaces.values():
+            os.close(fd)
+        self.namespaces = {}
         self._destroyed = True
 
 
@@ -270,6 +303,7 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
         cgroups.remove(path)
     scratch = data.get("scratch")
     if scratch:
+        remove_door(scratch)
         try:
             os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
         except FileNotFoundError:

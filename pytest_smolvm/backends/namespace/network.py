@@ -7,10 +7,12 @@ needs no setuid helper, and can be told to map nothing of the host into the gues
 (``--no-map-gw``, ``-T none -U none``: the gateway address and the guest's loopback ports are
 otherwise forwarded to the host's loopback).
 
-What pasta alone would still let through, the guest's own routing table refuses: ``prohibit``
-routes for 169.254.0.0/16 (cloud metadata) and for each of the host's own addresses, set from
-the host before the guest runs anything. The guest has no CAP_NET_ADMIN, so it cannot remove
-them. IPv4 only (``-4``): no IPv6 routes means no fe80::/10 either.
+What pasta alone would still let through, the guest's own routing table refuses: routes to the
+guest's loopback (where none of those addresses is local) for 169.254.0.0/16 (cloud metadata)
+and for each of the host's own addresses, set from the host before the guest runs anything; an
+nftables chain in the guest's namespace records every new flow (the egress ledger) and answers
+those to refused addresses at once. The guest has no CAP_NET_ADMIN, so it can remove neither.
+IPv4 only (``-4``): no IPv6 routes means no fe80::/10 either.
 
 pasta's lifetime is bound to the guest's init by a watcher process: when the init exits (destroy,
 or the owning pytest died and the init saw its socket close), the watcher kills pasta.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -30,10 +33,34 @@ import time
 from pathlib import Path
 
 from pytest_smolvm import limits
+from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
 
-INSTALL_HINT = "network=True on the namespace backend needs pasta: apt-get install -y passt"
+INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
 PROHIBITED = ("169.254.0.0/16",)
+SBIN = ("/usr/sbin", "/sbin")  # nft lives here, often off a normal user's PATH
+LEDGER_TABLE = "smolvm_egress"
+LEDGER_ROWS = 200  # destinations shown in a guest's log; the counts cover them all
+# The guest's egress ledger and its fast refusals, loaded into its own network namespace (the
+# guest has no CAP_NET_ADMIN there: it can neither read nor change them). Refused destinations
+# are routed to the guest's loopback, where no address of theirs is local: the routes alone
+# refuse them (a timeout); this chain records each new flow to them and answers it at once
+# (a TCP reset, an ICMP error for UDP), and records each new flow that leaves through pasta.
+LEDGER_RULES = """
+table inet smolvm_egress {
+  set refused { type ipv4_addr . inet_proto . inet_service; flags dynamic; size 65536; counter; }
+  set allowed { type ipv4_addr . inet_proto . inet_service; flags dynamic; size 65536; counter; }
+  chain out {
+    type filter hook output priority 0; policy accept;
+    ct state != new accept
+    meta l4proto != { tcp, udp } accept
+    fib daddr type local accept
+    oifname "lo" update @refused { ip daddr . meta l4proto . th dport } meta l4proto tcp reject with tcp reset
+    oifname "lo" reject
+    update @allowed { ip daddr . meta l4proto . th dport }
+  }
+}
+"""
 
 # Runs as its own process: starts pasta (argv[3:]) with the guest's namespace fds (argv[2]) and
 # kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
@@ -50,10 +77,15 @@ p.wait()
 
 
 def pasta() -> str:
+    """pasta's path; also checks for nft (the ledger and the fence's fast refusals need both)."""
     found = shutil.which("pasta")
-    if found is None:
+    if found is None or _nft() is None:
         raise ProvisionError(INSTALL_HINT)
     return found
+
+
+def _nft() -> str | None:
+    return shutil.which("nft") or shutil.which("nft", path=os.pathsep.join(SBIN))
 
 
 def host_addresses() -> list[str]:
@@ -96,33 +128,52 @@ def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4N
     return nets, names
 
 
-def start_nat(init_pid: int, scratch: Path,
-              allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
-    """Attach pasta to the guest's network namespace and fence off the host; the watcher process."""
-    binary = pasta()
-    pidfile = scratch / "pasta.pid"
-    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    # Not root (user-namespace mode): the guest's netns belongs to its user namespace, which
-    # this user owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
-    userns = -1 if os.geteuid() == 0 else os.open(f"/proc/{init_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    fds = (netns,) if userns < 0 else (netns, userns)
+def receive_namespaces(ctl: socket.socket, name: str) -> dict[str, int]:
+    """The guest's namespace fds its setup process sent on the control socket (``"net"``, and
+    ``"user"`` in user-namespace mode, whose init no host process may open through /proc)."""
+    ctl.settimeout(limits.LIMITS.network_ready)
     try:
-        # Fence first: the guest runs nothing before create returns, and the routes do not
-        # depend on the interface pasta makes.
-        prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
-        _ip_in(netns, userns, "".join(f"route replace prohibit {p}\n" for p in prefixes))
-        # As root pasta would switch to nobody and could no longer join the namespace;
-        # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
-        who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
-        argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
-                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
-                "--netns", f"/proc/self/fd/{netns}"]
-        watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
+        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 2)
+    except OSError as exc:
+        raise ProvisionError(f"namespace guest {name}: its namespaces never came for the network: {exc}") from None
     finally:
+        ctl.settimeout(None)
+    try:
+        names = json.loads(data)["namespaces"]
+        if len(names) != len(fds) or not set(names) <= {"net", "user"} or "net" not in names:
+            raise ValueError(names)
+    except (ValueError, KeyError, TypeError):
         for fd in fds:
             os.close(fd)
+        raise ProvisionError(f"namespace guest {name}: a malformed namespace message") from None
+    return dict(zip(names, fds, strict=True))
+
+
+def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
+              allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
+    """Attach pasta to the guest's network namespace, fence off the host and start the ledger;
+    the watcher process. ``namespaces`` (from :func:`receive_namespaces`) stay the caller's."""
+    netns = namespaces["net"]
+    # User-namespace mode: the guest's netns belongs to its user namespace, which this user
+    # owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
+    userns = namespaces.get("user", -1)
+    binary = pasta()
+    fds = (netns,) if userns < 0 else (netns, userns)
+    pidfile = scratch / "pasta.pid"
+    # Fence first: the guest runs nothing before create returns, and the routes do not
+    # depend on the interface pasta makes.
+    prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
+    _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in prefixes))
+    _in_netns(netns, userns, [str(_nft()), "-f", "-"], LEDGER_RULES)
+    # As root pasta would switch to nobody and could no longer join the namespace;
+    # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
+    who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+    argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
+            "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
+            "--netns", f"/proc/self/fd/{netns}"]
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
     deadline = time.monotonic() + limits.LIMITS.network_ready
     while not pidfile.exists():
         if watcher.poll() is not None or time.monotonic() > deadline:
@@ -134,33 +185,28 @@ def start_nat(init_pid: int, scratch: Path,
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
     if allowed is not None:
         try:
-            _allow_only(init_pid, allowed)
+            _allow_only(netns, userns, allowed)
         except BaseException:
             stop_nat(watcher)
             raise
     return watcher
 
 
-def _allow_only(init_pid: int, allowed: list[ipaddress.IPv4Network]) -> None:
-    """Refuse every address but ``allowed``: two /1 prohibit routes beat pasta's default route,
-    a route per allowed network (more specific) goes through pasta's gateway. The host's own
-    addresses and 169.254.0.0/16 stay refused: a /32 prohibit beats any allowed network, and an
+def _allow_only(netns: int, userns: int, allowed: list[ipaddress.IPv4Network]) -> None:
+    """Refuse every address but ``allowed``: two /1 routes to the loopback beat pasta's default
+    route, a route per allowed network (more specific) goes through pasta's gateway. The host's
+    own addresses and 169.254.0.0/16 stay refused: their /32 beats any allowed network, and an
     allowed /32 equal to one of them is left out."""
-    netns = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        probe = subprocess.run(["nsenter", f"--net=/proc/self/fd/{netns}", "ip", "-4", "route", "show", "default"],
-                               pass_fds=(netns,), capture_output=True, text=True, check=False).stdout.split()
-        if "via" not in probe or "dev" not in probe:
-            raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
-        gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
-        fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
-            ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
-        batch = "route add prohibit 0.0.0.0/1\nroute add prohibit 128.0.0.0/1\n"
-        for net in sorted(set(allowed) - fenced):
-            batch += f"route add {net} via {gateway} dev {dev} onlink\n"
-        _ip_in(netns, -1, batch)
-    finally:
-        os.close(netns)
+    probe = _ip_in(netns, userns, "route show default\n").split()  # IPv4: ip route's default family
+    if "via" not in probe or "dev" not in probe:
+        raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
+    gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
+    fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
+        ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
+    batch = "route add 0.0.0.0/1 dev lo\nroute add 128.0.0.0/1 dev lo\n"
+    for net in sorted(set(allowed) - fenced):
+        batch += f"route add {net} via {gateway} dev {dev} onlink\n"
+    _ip_in(netns, userns, batch)
 
 
 def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
@@ -172,13 +218,51 @@ def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
         watcher.stderr.close()
 
 
-def _ip_in(netns: int, userns: int, batch: str) -> None:
+def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
+    return _in_netns(netns, userns, ["ip", "-batch", "-"], batch)
+
+
+def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
+    """Run ``argv`` in the guest's network namespace (and, not as root, its user namespace)."""
     enter = [f"--net=/proc/self/fd/{netns}"]
     if userns >= 0:
         enter = [f"--user=/proc/self/fd/{userns}", "--preserve-credentials", *enter]
-    done = subprocess.run(["nsenter", *enter, "ip", "-batch", "-"], input=batch,
+    done = subprocess.run(["nsenter", *enter, *argv], input=stdin,
                           pass_fds=(netns,) if userns < 0 else (netns, userns),
                           capture_output=True, text=True, check=False)
     if done.returncode:
-        raise ProvisionError(f"ip in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
+        raise ProvisionError(f"{argv[0]} in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
+    return done.stdout
+
+
+def read_ledger(namespaces: dict[str, int]) -> list[EgressAttempt]:
+    """What the guest tried to reach so far: the ledger's two sets, most connections first."""
+    out = _in_netns(namespaces["net"], namespaces.get("user", -1),
+                    [str(_nft()), "-j", "list", "table", "inet", LEDGER_TABLE], "")
+    found: list[EgressAttempt] = []
+    for entry in json.loads(out).get("nftables", []):
+        found_set = entry.get("set") if isinstance(entry, dict) else None
+        if not isinstance(found_set, dict) or found_set.get("name") not in ("allowed", "refused"):
+            continue
+        for element in found_set.get("elem") or []:
+            try:
+                inner = element["elem"]
+                address, protocol, port = inner["val"]["concat"]
+                count = int(inner.get("counter", {}).get("packets", 0))
+                found.append(EgressAttempt(str(ipaddress.IPv4Address(address)), str(protocol), int(port),
+                                           found_set["name"] == "allowed", count))
+            except (KeyError, TypeError, ValueError):
+                continue  # a shape this nft does not write: skipped, never a crash at teardown
+    return sorted(found, key=lambda a: (-a.connections, a.address, a.port))
+
+
+def render_ledger(attempts: list[EgressAttempt]) -> str:
+    if not attempts:
+        return "egress: the guest attempted no connection"
+    lines = [f"egress ledger ({len(attempts)} destination(s), "
+             f"{sum(a.connections for a in attempts if not a.allowed)} refused connection(s)):"]
+    lines += [f"  {a.render()}" for a in attempts[:LEDGER_ROWS]]
+    if len(attempts) > LEDGER_ROWS:
+        lines.append(f"  ... {len(attempts) - LEDGER_ROWS} more")
+    return "\n".join(lines)

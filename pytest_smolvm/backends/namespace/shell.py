@@ -1,30 +1,76 @@
-"""``pytest-smolvm shell`` into a kept namespace guest, confined like any command the guest runs.
+"""``pytest-smolvm shell`` into a kept namespace guest: one more command the guest's init runs.
 
 A kept guest is the one a hostile guest has been waiting for: the user runs a shell in it by
-hand. So the shell is no host process with the guest's files in view (``nsenter`` with every
-capability was): it joins the guest's cgroup and every namespace of its init, takes the
-guest's root as its own, and then, like the guest's own commands, keeps only the guest's
-capability set, runs under the guest's seccomp filter and with ``no_new_privs``. The init's pid
-must still carry the start time recorded for it: a reused pid is some other process.
-
-In user-namespace mode the guest's init is not dumpable, so no unprivileged process may join
-its namespaces: the shell says so and runs nothing (it never falls back to the host's).
+hand. So the shell is not a host process that enters the guest (``nsenter`` with every
+capability was; joining the namespaces by ``setns`` needed root and could not work in
+user-namespace mode). When a guest is kept, the host binds a *door*, a listening socket in
+the guest's scratch dir (inside the private runtime dir: only this user reaches it), and hands
+it to the guest's init. The shell connects and sends one exec request, with its own terminal
+as the command's stdin/stdout/stderr; the init starts it as it starts every guest command:
+in the guest's namespaces, cgroup, root, capability set and seccomp filter, plus
+``no_new_privs``. The recorded init's pid must still carry its recorded start time (a reused
+pid is some other process), and the door must be a socket, reached through the scratch dir's
+own fd without following a link.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import json
 import os
+import signal
+import socket
+import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from pytest_smolvm.host.procs import process_start_time
 
-PR_SET_NO_NEW_PRIVS = 38
-NAMESPACES = (("user", 0x10000000), ("cgroup", 0x02000000), ("ipc", 0x08000000), ("uts", 0x04000000),
-              ("net", 0x40000000), ("pid", 0x20000000), ("mnt", 0x00020000))  # user first, mnt last
+SHELL_DOOR = "shell.sock"
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MAX_STATUS = 1 << 16
+
+
+@contextlib.contextmanager
+def _at(directory: Path | str) -> Iterator[str]:
+    """``directory/shell.sock`` as a short path through the directory's own fd: a socket path
+    is limited to 108 bytes, and the directory is reached without following a link."""
+    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{SHELL_DOOR}"
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def bind_door(scratch: Path) -> Iterator[socket.socket]:
+    """A listening door in ``scratch`` for the guest's init to serve (closed here once sent)."""
+    door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with _at(scratch) as path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            door.bind(path)
+            os.chmod(path, 0o600)
+        door.listen(4)
+        yield door
+    finally:
+        door.close()
+
+
+def remove_door(scratch: Path | str) -> None:
+    """Take a kept guest's door away (its destroy), through the scratch dir's own fd."""
+    try:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHELL_DOOR, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def shell(data: Mapping[str, Any], name: str, command: Sequence[str]) -> int:
@@ -33,52 +79,67 @@ def shell(data: Mapping[str, Any], name: str, command: Sequence[str]) -> int:
     if pid <= 1 or process_start_time(pid) != data.get("pid_start"):
         print(f"pytest-smolvm shell: guest {name} is gone (its init is not running)", file=sys.stderr)
         return 2
-    from pytest_smolvm.backends.namespace import seccomp
-
-    bpf = seccomp.guest_filter()  # before entering: libseccomp lives on the host
+    if data.get("shell_door") != SHELL_DOOR or not data.get("scratch"):
+        print(f"pytest-smolvm shell: guest {name} was not kept by this version of pytest-smolvm; "
+              "keep it again (--smol-keep) to shell in", file=sys.stderr)
+        return 2
+    try:
+        door = _connect(Path(str(data["scratch"])))
+    except OSError as exc:
+        print(f"pytest-smolvm shell: cannot reach guest {name}'s init: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     env = {"PATH": GUEST_PATH, "HOME": "/root", "HOSTNAME": name, "TERM": os.environ.get("TERM", "xterm")}
-    child = os.fork()
-    if child == 0:
+    request = {"op": "exec", "argv": list(command) or ["/bin/sh"], "env": env, "cwd": "/", "no_new_privs": True}
+    with door:
+        return _run(door, request, name)
+
+
+def _connect(scratch: Path) -> socket.socket:
+    door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with _at(scratch) as path:
+            if not stat.S_ISSOCK(os.stat(path, follow_symlinks=False).st_mode):
+                raise OSError(f"{scratch / SHELL_DOOR} is not a socket")
+            door.connect(path)
+    except BaseException:
+        door.close()
+        raise
+    return door
+
+
+def _run(door: socket.socket, request: dict[str, Any], name: str) -> int:
+    """Send the exec with this process's stdin/stdout/stderr; wait for its exit status."""
+    status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with status:
         try:
-            _enter(pid, [str(d) for d in data.get("cgroups", [])], bpf)
-            grandchild = os.fork()  # the first process of ours inside the guest's pid namespace
-            if grandchild == 0:
-                _confine(bpf)
-                argv = list(command) or ["/bin/sh"]
-                os.execvpe(argv[0], argv, env)
-            os._exit(os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]) & 0xFF)
-        except BaseException as exc:
-            print(f"pytest-smolvm shell: {exc}", file=sys.stderr)
-            os._exit(127)
-    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-
-
-def _enter(pid: int, cgroups: list[str], bpf: bytes) -> None:
-    """Join the guest's cgroups and namespaces and take its root (in the forked child)."""
-    from pytest_smolvm.backends.namespace.helper import kernel as guest
-
-    guest._check(guest._prctl(guest.PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")  # no ptrace from the guest
-    fds = {}
-    for ns, _ in NAMESPACES:  # every one, or none: a shell must never run in the host's instead
+            socket.send_fds(door, [json.dumps(request).encode()], [0, 1, 2, theirs.fileno()])
+        finally:
+            theirs.close()
+        started: int | None = None
+        # Ctrl-C reaches this process (the terminal's foreground), never the guest's command
+        # (a session of its own in the guest): pass it on as the kill a timeout would send.
+        previous = signal.signal(signal.SIGINT, lambda *_: _kill(door, started))
         try:
-            fds[ns] = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC)
-        except PermissionError:
-            raise RuntimeError("cannot enter the guest: its init is not dumpable, so only root may join its "
-                               "namespaces (in user-namespace mode, run pytest and the shell as root)") from None
-    for directory in cgroups:  # the host's view of cgroupfs: before the mount namespace changes
-        with open(os.path.join(directory, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-    for ns, flag in NAMESPACES:
-        if os.fstat(fds[ns]).st_ino != os.stat(f"/proc/self/ns/{ns}").st_ino:  # root mode shares the user ns
-            guest._check(guest._libc.setns(ctypes.c_int(fds[ns]), ctypes.c_int(flag)), f"setns({ns})")
-        os.close(fds[ns])
-    os.chdir("/")  # joining the mount namespace took its root: the mount on top, the guest's pivoted root
+            while True:
+                data = status.recv(MAX_STATUS)
+                if not data:
+                    print(f"pytest-smolvm shell: guest {name}'s init went away", file=sys.stderr)
+                    return 2
+                reply = json.loads(data)
+                if "pid" in reply:
+                    started = int(reply["pid"])
+                elif "exit" in reply:
+                    return int(reply["exit"])
+                elif "error" in reply:
+                    error = reply["error"]
+                    print(f"pytest-smolvm shell: {error.get('strerror') or error.get('message') or error}",
+                          file=sys.stderr)
+                    return 127
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _confine(bpf: bytes) -> None:
-    """What every guest command has: the guest's capabilities and seccomp filter; and no_new_privs."""
-    from pytest_smolvm.backends.namespace.helper import kernel as guest
-
-    guest._check(guest._prctl(PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
-    guest._load_seccomp(bpf)
-    guest._drop_capabilities()
+def _kill(door: socket.socket, pid: int | None) -> None:
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            door.send(json.dumps({"op": "kill", "pid": pid}).encode())

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from pytest_smolvm import limits
+from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.backends.smol import handle as smol_handle
 from pytest_smolvm.backends.smol.common import _describe, _is_gone
 from pytest_smolvm.backends.smol.exec_plumbing import SCRATCH, ExecPlumbing
@@ -185,6 +186,9 @@ class SmolGuest(ExecPlumbing):
         return str(result.stdout)
 
     # ---------------------------------------------------------------- logs and lifetime
+
+    def egress(self) -> list[EgressAttempt]:
+        return []  # the SDK reports no connection ledger
 
     def logs(self) -> str:
         if self._captured_logs is not None:

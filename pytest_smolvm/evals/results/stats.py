@@ -84,7 +84,7 @@ def _score(line: dict[str, Any]) -> float:
     return 1.0 if line.get("outcome") == "passed" else 0.0
 
 
-def _task(line: dict[str, Any]) -> str:
+def task_of(line: dict[str, Any]) -> str:
     case = line.get("case") or ""
     return f"{line.get('function', '')}[{case}]" if case else str(line.get("function", ""))
 
@@ -93,7 +93,7 @@ def compare(base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> 
     """Per-task reward differences (``other`` - ``base``; pass = 1, fail = 0 where no reward),
     episodes paired by (task, seed), falling back to episode index when seeds are absent."""
     def keyed(lines: Sequence[dict[str, Any]]) -> dict[tuple[str, Any], float]:
-        return {(_task(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): _score(ln)
+        return {(task_of(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): _score(ln)
                 for ln in lines if ln.get("outcome") not in ("skipped", "xfailed")}
     a, b = keyed(base), keyed(other)
     tasks: dict[str, list[float]] = {}

@@ -19,8 +19,12 @@ def _rewards(lines: Sequence[dict[str, Any]], function: str, task: str | None) -
 
 
 def run_summary(path: Path, lines: Sequence[dict[str, Any]]) -> list[str]:
-    out = [f"{path}: {len(lines)} episodes", *format_table(summarize(list(lines)))]
-    intervals = []
+    return [f"{path}: {len(lines)} episodes", *format_table(summarize(list(lines))), *details(lines)]
+
+
+def details(lines: Sequence[dict[str, Any]]) -> list[str]:
+    """Under the summary table: each row's mean reward with its interval, and the outcome breakdown."""
+    out, intervals = [], []
     for row in summarize(list(lines)):
         interval = bootstrap(_rewards(lines, row.function, row.task))
         if interval is not None:

@@ -12,9 +12,14 @@ import signal
 import socket
 from typing import Any
 
-# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
-# root once we are inside it. Never load guest-provided code into a privileged process.
-from pytest_smolvm.backends.namespace.helper.kernel import KILL_PASSES, SIGNAL_EXIT_BASE, _recv
+from pytest_smolvm.backends.namespace.helper.kernel import (
+    KILL_PASSES,
+    PR_SET_NO_NEW_PRIVS,
+    SIGNAL_EXIT_BASE,
+    _check,
+    _prctl,
+    _recv,
+)
 from pytest_smolvm.backends.namespace.helper.requests import (
     FILE_OPS,
     STATUS_FD,
@@ -41,6 +46,11 @@ class Init:
         self.ctl = ctl
         self.children: dict[int, int] = {}  # pid -> that request's status fd
         self.keep = False
+        self.poller = select.poll()
+        # A kept guest's shell door: a listening socket the host bound in its private scratch
+        # dir and handed over with "keep"; each connection is one more control channel.
+        self.door: socket.socket | None = None
+        self.shells: dict[int, socket.socket] = {}
         rfd, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rfd
         signal.set_wakeup_fd(self.wake_w)
@@ -52,12 +62,16 @@ class Init:
             signal.signal(sig, lambda *_: None)
 
     def serve(self) -> None:
-        poller = select.poll()
+        poller = self.poller
         poller.register(self.ctl, select.POLLIN)
         poller.register(self.wake_r, select.POLLIN)
         while True:
             for fd, events in poller.poll():
-                if fd == self.wake_r:
+                if self.door is not None and fd == self.door.fileno():
+                    self.open_shell_channel()
+                elif fd in self.shells:
+                    self.serve_shell_channel(fd, events)
+                elif fd == self.wake_r:
                     try:
                         os.read(self.wake_r, 4096)
                     except BlockingIOError:
@@ -77,6 +91,36 @@ class Init:
                     else:
                         self.handle_safely(message, fds)
             self.reap()
+
+    def open_shell_channel(self) -> None:
+        assert self.door is not None
+        try:
+            conn, _ = self.door.accept()
+        except OSError:
+            return
+        conn.setblocking(True)
+        self.shells[conn.fileno()] = conn
+        self.poller.register(conn, select.POLLIN)
+
+    def serve_shell_channel(self, fd: int, events: int) -> None:
+        conn = self.shells[fd]
+        message: dict[str, Any] | None = None
+        fds: list[int] = []
+        if events & select.POLLIN:
+            try:
+                message, fds = _recv(conn)
+            except OSError:
+                message = None
+        if message is None:  # the shell's end closed
+            self.poller.unregister(fd)
+            del self.shells[fd]
+            conn.close()
+            return
+        if message.get("op") not in ("exec", "kill"):  # a shell runs commands; it never keeps or reopens doors
+            for extra in fds:
+                os.close(extra)
+            return
+        self.handle_safely(message, fds)
 
     def owner_gone(self) -> None:
         if not self.keep:
@@ -133,12 +177,16 @@ class Init:
             return
         if op == "keep":
             self.keep = bool(message.get("keep", True))
+            if len(fds) > 1 and self.door is None:
+                self.door = socket.socket(fileno=fds[1])
+                self.door.setblocking(False)
+                self.poller.register(self.door, select.POLLIN)
             _report(fds[0], {"ok": True})
             os.close(fds[0])
             return
         if len(fds) != 4:
             raise ValueError(f"{op} needs 4 fds (stdin, stdout, stderr, status), got {len(fds)}")
-        if op == "exec" and message.get("user") is None:
+        if op == "exec" and message.get("user") is None and not message.get("no_new_privs"):
             self.spawn(message, fds)
             return
         # A file operation, or an exec as another user: the child runs this file's Python
@@ -206,6 +254,8 @@ class Init:
             os.closerange(STATUS_FD + 1, 65536)
             if message.get("user") is not None:
                 _become(message)
+            if message.get("no_new_privs"):  # a shell a user opened: setuid programs gain nothing
+                _check(_prctl(PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
             if message["op"] == "exec":
                 _exec(message)
             code = FILE_OPS[message["op"]](message)

@@ -14,11 +14,6 @@ import socket
 import struct
 from typing import Any
 
-# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
-# root once we are inside it. Never load guest-provided code into a privileged process.
-
-
-
 CLONE_NEWNS = 0x00020000
 
 
@@ -71,6 +66,7 @@ PR_SET_DUMPABLE = 4
 
 
 PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
 
 
 SECCOMP_MODE_FILTER = 2

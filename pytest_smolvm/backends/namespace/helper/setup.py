@@ -17,9 +17,6 @@ import traceback
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.init import Init
-
-# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
-# root once we are inside it. Never load guest-provided code into a privileged process.
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
@@ -204,6 +201,19 @@ def _join_cgroups(procs_files: list[str]) -> None:
             os.close(fd)
 
 
+def _send_namespaces(ctl: socket.socket, *, userns: bool) -> None:
+    """Hand the host this guest's network namespace (and user namespace) for its NAT: once the
+    guest is made nothing of it is dumpable, and in user-namespace mode the host could not open
+    them through /proc. The first message on the control socket, the only one the init sends."""
+    names = ["net", "user"] if userns else ["net"]
+    fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in names]
+    try:
+        socket.send_fds(ctl, [json.dumps({"namespaces": names}).encode()], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
     """Runs in the zygote's child; never returns. The child becomes the guest's init.
 
@@ -230,6 +240,8 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         _unshare(flags)
         if req["userns"]:
             _write_id_map(uid, gid)  # before the next line: it makes /proc/self/* root's
+        if req.get("send_ns"):
+            _send_namespaces(ctl, userns=bool(req["userns"]))
         # Not dumpable: no guest process may ptrace this process or the init, read their memory
         # or /proc/PID/environ, or take their sockets with pidfd_getfd. Inherited by every fork
         # (the init, per-request children); execve of a guest command resets it.

@@ -18,8 +18,6 @@ import sys
 import time
 from typing import Any
 
-# tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
-# root once we are inside it. Never load guest-provided code into a privileged process.
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWPID,
     JANITOR_WAIT,

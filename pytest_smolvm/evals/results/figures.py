@@ -1,0 +1,145 @@
+"""One run's figures as an HTML fragment, overall and per task: pass@k with its band, mean reward
+with its interval, the reward and duration distributions and the outcome breakdown, each
+non-passing episode linked to its saved guest log. Shared by the ``results --html`` report and
+the pytest-html section, so both show the same thing."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_smolvm.evals.results import svg
+from pytest_smolvm.evals.results.load import CAUSES, cause
+from pytest_smolvm.evals.results.stats import BOOTSTRAP_RESAMPLES, bootstrap, pass_at_k_curve, task_of
+from pytest_smolvm.evals.results.svg import Span, esc
+
+METHOD = (f"Intervals are 95% percentile bootstrap intervals over episodes ({BOOTSTRAP_RESAMPLES} resamples, "
+          "fixed seed: the same file gives the same figures); the pass@k band resamples each task's "
+          "episodes. pass@k is the unbiased estimator (Chen et al. 2021), averaged over tasks.")
+ATTEMPTS_LEFT_OUT = ("skipped", "xfailed")
+
+
+def eval_lines(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The episodes: lines with an episode number, a reward or a crash; every line if none has."""
+    chosen = [ln for ln in lines if ln.get("episodes") is not None or ln.get("reward") is not None
+              or ln.get("crashed")]
+    return chosen or list(lines)
+
+
+def duration(line: dict[str, Any]) -> float | None:
+    """Setup + call + teardown seconds, or None for a line without them (a crashed worker's)."""
+    durations = line.get("durations") or {}
+    phases = [durations.get(p) for p in ("setup", "call", "teardown")]
+    values = [float(v) for v in phases if isinstance(v, (int, float))]
+    return sum(values) if values else None
+
+
+def score(line: dict[str, Any]) -> float | None:
+    """The recorded reward; without one, 1 for a pass and 0 for a fail (None if not attempted)."""
+    if line.get("reward") is not None:
+        return float(line["reward"])
+    if line.get("outcome") in ATTEMPTS_LEFT_OUT:
+        return None
+    return 1.0 if line.get("outcome") in ("passed", "xpassed") else 0.0
+
+
+def log_href(line: dict[str, Any], name: str, relative_to: Path | None) -> str | None:
+    """A link to ``name`` in the episode's ``--smol-artifacts`` directory, if the run kept one.
+
+    Percent-encoded, so nothing in the path can become a URL scheme (``javascript:``)."""
+    where = line.get("artifacts")
+    if not isinstance(where, str) or not where:
+        return None
+    target = os.path.join(where, name)
+    if relative_to is not None and os.path.isabs(target):
+        try:
+            return urllib.parse.quote(os.path.relpath(target, relative_to))
+        except ValueError:
+            pass
+    return ("file://" if os.path.isabs(target) else "") + urllib.parse.quote(target)
+
+
+def log_links(line: dict[str, Any], relative_to: Path | None) -> str:
+    links = [f'<a href="{esc(href)}">{label}</a>' for name, label in
+             (("transcript.txt", "transcript"), ("guest-logs.txt", "guest log"))
+             if (href := log_href(line, name, relative_to)) is not None]
+    return " ".join(links)
+
+
+def counts_by_task(lines: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for ln in lines:
+        if ln.get("outcome") not in ATTEMPTS_LEFT_OUT:
+            tasks.setdefault(task_of(ln), []).append(ln)
+    return [(len(ls), sum(ln.get("outcome") == "passed" for ln in ls)) for ls in tasks.values()]
+
+
+def group(title: str, lines: Sequence[dict[str, Any]], relative_to: Path | None, *, level: int = 3,
+          extra: Sequence[str] = ()) -> str:
+    """The numbers and plots of ``lines`` (one task, or a whole run)."""
+    rewards = [float(ln["reward"]) for ln in lines if ln.get("reward") is not None]
+    scores = [s for ln in lines if (s := score(ln)) is not None]
+    durations = [d for ln in lines if (d := duration(ln)) is not None]
+    counts = Counter(cause(ln) for ln in lines)
+    curve = pass_at_k_curve(counts_by_task(lines))
+    mean = bootstrap(rewards if rewards else scores)
+    what = "reward" if rewards else "score (pass = 1)"
+    facts = [f"{len(lines)} episodes", f"{counts['passed']} passed"]
+    if mean is not None:
+        facts.append(f"mean {what} <b>{mean.estimate:.3f}</b> [{mean.low:.3f}, {mean.high:.3f}]")
+    if curve:
+        facts.append(f"pass@1 {curve[0].estimate:.3f} [{curve[0].low:.3f}, {curve[0].high:.3f}]")
+        if len(curve) > 1:
+            last = curve[-1]
+            facts.append(f"pass@{len(curve)} {last.estimate:.3f} [{last.low:.3f}, {last.high:.3f}]")
+    colours = [svg.COLOURS.get(cause(ln), svg.INK) for ln in lines if ln.get("reward") is not None]
+    plots = [
+        svg.curve([Span(p.estimate, p.low, p.high) for p in curve], f"{title}: pass@k", "k", "pass@k"),
+        svg.distribution(rewards, f"{title}: reward", "reward", colours) if rewards
+        else svg.distribution(scores, f"{title}: score", "score (pass = 1)"),
+        svg.distribution(durations, f"{title}: duration", "seconds (setup + call + teardown)"),
+        *extra,
+        svg.outcome_bar([(c, counts[c]) for c in CAUSES], f"{title}: outcomes"),
+    ]
+    return (f'<section class="group"><h{level}>{esc(title)}</h{level}><p class="facts">{" · ".join(facts)}</p>'
+            f'<div class="plots">{"".join(plots)}</div>{_not_passed(lines, relative_to)}</section>')
+
+
+def _not_passed(lines: Sequence[dict[str, Any]], relative_to: Path | None) -> str:
+    """Every episode that did not pass, by cause, each with a link to its guest log if kept."""
+    by_cause: dict[str, list[dict[str, Any]]] = {}
+    for ln in lines:
+        if cause(ln) not in ("passed", "skipped"):
+            by_cause.setdefault(cause(ln), []).append(ln)
+    if not by_cause:
+        return ""
+    items = []
+    for c in CAUSES:
+        for ln in by_cause.get(c, []):
+            links = log_links(ln, relative_to)
+            message = str(ln.get("message") or "")
+            items.append(f'<li><span class="cause cause-{esc(c)}">{esc(c)}</span> {esc(ln.get("test", ""))}'
+                         f'{" " + links if links else ""}<br><code>{esc(message[:300])}</code></li>')
+    return f'<details class="not-passed"><summary>not passed: {len(items)}</summary><ul>{"".join(items)}</ul></details>'
+
+
+def run_figures(lines: Sequence[dict[str, Any]], relative_to: Path | None) -> str:
+    """A run overall, then each of its tasks."""
+    episodes = eval_lines(lines)
+    tasks: dict[str, list[dict[str, Any]]] = {}
+    for ln in episodes:
+        tasks.setdefault(task_of(ln), []).append(ln)
+    means = []
+    for task, ls in sorted(tasks.items()):
+        values = [s for ln in ls if (s := score(ln)) is not None]
+        if (mean := bootstrap(values)) is not None:
+            means.append((task, Span(mean.estimate, mean.low, mean.high), False))
+    extra = [svg.intervals(means, "mean reward per task", "mean reward (pass = 1 where none recorded)")]
+    parts = [group("all episodes", episodes, relative_to, extra=extra if len(means) > 1 else ())]
+    if len(tasks) > 1:
+        parts += [group(task, ls, relative_to, level=4) for task, ls in sorted(tasks.items())]
+    return "".join(parts)
