@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.leaks import assert_host_clean
+from tests.test_lifecycle import KILL_HELPER_AND_SELF
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = "pip install 'pytest-smolvm[inspect]'  (inspect-ai>=0.3.285)"
@@ -81,12 +82,105 @@ def test_commands_and_files_run_as_the_configured_user(sample: Any) -> None:
     asyncio.run(check())
 
 
-def test_the_provider_registers_under_the_name_smolvm() -> None:
-    from inspect_ai._util.registry import registry_find
-    from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
+def test_inspect_finds_the_provider_by_its_entry_point() -> None:
+    """In a fresh process that never imports pytest_smolvm: only the entry point can register it."""
+    code = ("import sys\n"
+            "from inspect_ai.util._sandbox.registry import registry_find_sandboxenv\n"
+            "assert 'pytest_smolvm' not in sys.modules\n"
+            "cls = registry_find_sandboxenv('smolvm')\n"
+            "print(cls.__module__, cls.__name__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "pytest_smolvm.integrations.inspect_sandbox SmolvmSandboxEnvironment\n", done.stderr
 
-    assert registry_find_sandboxenv("smolvm") is inspect_sandbox.SmolvmSandboxEnvironment
-    del registry_find
+
+def test_exec_output_past_inspect_s_limit_is_output_limit_exceeded(sample: Any) -> None:
+    from inspect_ai.util import OutputLimitExceededError, SandboxEnvironmentLimits
+
+    over = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE + 1024
+    with pytest.raises(OutputLimitExceededError) as raised:
+        asyncio.run(sample.exec(["sh", "-c", f"head -c {over} /dev/zero | tr '\\0' x"]))
+    assert raised.value.limit_str == SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR
+    kept = raised.value.truncated_output or ""  # the stream's head and tail, the cut marked between
+    assert "[pytest-smolvm: 1024 bytes of output truncated]" in kept, kept[-200:]
+    assert kept.count("x") == SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+
+
+def test_default_concurrency_is_two_per_core_capped_by_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from pytest_smolvm.limits import LIMITS
+
+    cls = inspect_sandbox.SmolvmSandboxEnvironment
+    cores = len(os.sched_getaffinity(0))
+    page = os.sysconf("SC_PAGE_SIZE")
+    free_mb = {"mb": 1 << 20}
+
+    def sysconf(name: str) -> int:
+        return free_mb["mb"] * (1 << 20) // page if name == "SC_AVPHYS_PAGES" else page
+
+    monkeypatch.setattr(os, "sysconf", sysconf)
+    assert cls.default_concurrency() == 2 * cores
+    free_mb["mb"] = LIMITS.inspect_guest_memory_mb * 2 + 1  # room for two guests, whatever the cores
+    assert cls.default_concurrency() == min(2, 2 * cores)
+    free_mb["mb"] = 10  # not even one: still one at a time, never zero
+    assert cls.default_concurrency() == 1
+
+
+def test_named_environments_are_separate_guests_and_a_failed_sample_init_leaves_none(
+        smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls = inspect_sandbox.SmolvmSandboxEnvironment
+    config = SmolvmSandboxConfig(environments=("default", "peer"))
+
+    async def scenario() -> None:
+        await cls.task_init("startup", config)
+        envs = await cls.sample_init("pair", config, {})
+        try:
+            assert list(envs) == ["default", "peer"]
+            await envs["default"].write_file("only-here.txt", "x")
+            seen = await envs["peer"].exec(["ls", "/workspace"])
+            assert seen.success and seen.stdout == "", seen
+        finally:
+            await cls.sample_cleanup("pair", config, envs, False)
+        session = inspect_sandbox._sessions[config.model_dump_json()]
+        assert session._live == {}
+        # The second guest fails to start: the first is destroyed before the error goes up.
+        acreate, calls = session.acreate, []
+
+        async def second_fails(label: str = "", **keywords: Any) -> Any:
+            calls.append(label)
+            if len(calls) == 2:
+                raise RuntimeError("injected: no second guest")
+            return await acreate(label, **keywords)
+
+        monkeypatch.setattr(session, "acreate", second_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            await cls.sample_init("pair", config, {})
+        assert calls == ["pair:default", "pair:peer"] and session._live == {}
+        await cls.task_cleanup("shutdown", config, True)
+        assert config.model_dump_json() not in inspect_sandbox._sessions
+
+    asyncio.run(scenario())
+
+
+OWNER = KILL_HELPER_AND_SELF + """
+from pytest_smolvm import Session
+
+vm = Session(backend="namespace").create("doomed")
+print(vm.name, flush=True)
+kill_helper_and_self()  # the helper too: else it cleans up after its owner, with no reaper needed
+"""
+
+
+def test_inspect_sandbox_cleanup_smolvm_removes_a_killed_eval_s_guests(smol_state: Path) -> None:
+    from pytest_smolvm.host.registry import records
+
+    owner = subprocess.run([sys.executable, "-c", OWNER], capture_output=True, text=True, timeout=120)
+    name = owner.stdout.strip()
+    assert owner.returncode == -9 and name in [r.name for r in records()], owner.stderr
+    done = subprocess.run([sys.executable, "-m", "inspect_ai", "sandbox", "cleanup", "smolvm"],
+                          input="y\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r.name for r in records()] == []
 
 
 def test_a_bad_config_key_is_one_line_naming_key_and_file(tmp_path: Path) -> None:

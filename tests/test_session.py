@@ -44,6 +44,19 @@ def test_an_exception_in_the_block_still_destroys_every_guest(smol_state: Path) 
     assert_host_clean(smol_state)
 
 
+def test_close_with_keep_leaves_the_live_guests_running_as_kept(smol_state: Path) -> None:
+    from pytest_smolvm.host.registry import reap
+    from pytest_smolvm.session.reaper import destroy_record
+
+    session = Session(backend="namespace")
+    vm = session.create("inspect-me")
+    vm.write_file("/tmp/state", "still here")
+    session.close(keep=True)
+    [kept] = [r for r in records() if r.name == vm.name]
+    assert kept.kept and vm.exec("cat /tmp/state").stdout == "still here"
+    assert reap(lambda r: r.kept, destroy_record).removed == [vm.name]  # what reap --kept does
+
+
 def test_bad_keywords_are_one_line_errors_naming_them(smol_state: Path) -> None:
     with pytest.raises(UsageError, match=r"^Session\(backend\)=nope: unknown backend"):
         Session(backend="nope")

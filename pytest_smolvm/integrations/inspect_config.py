@@ -40,6 +40,10 @@ class SmolvmSandboxConfig(BaseModel):
     output_limit: int | str | None = None
     relax: tuple[str, ...] = ()
 
+    def __hash__(self) -> int:
+        # Inspect keys its sandbox cache by the task's config: pydantic's frozen hash fails on `env`.
+        return hash(self.model_dump_json())
+
     def guest_keywords(self) -> dict[str, Any]:
         """The ``Session.create`` keywords this config sets (defaults left to the session)."""
         values = self.model_dump()

@@ -2,7 +2,7 @@
 
 Inspect loads this module through the ``inspect_ai`` entry point; nothing else imports it, so
 pytest runs and library users pay nothing for it. Guests come only from
-:class:`pytest_smolvm.session.library.Session` (one per task, keyed by task name and config), so
+:class:`pytest_smolvm.session.library.Session` (one per sandbox config), so
 their lifecycle, registry records and reaping are the plugin's own.
 """
 
@@ -31,15 +31,13 @@ from pytest_smolvm.session.library import Session
 
 WORKDIR = "/workspace"  # the sample's working directory, made writable by the config's user
 
-_sessions: dict[str, Session] = {}  # one per (task, config): task_init makes it, task_cleanup closes it
+# One per config: task_init makes it, task_cleanup closes it. Not per task: Inspect calls those
+# two once per config for the whole eval, with the names "startup" and "shutdown".
+_sessions: dict[str, Session] = {}
 
 
-def _key(task_name: str, config: SmolvmSandboxConfig) -> str:
-    return f"{task_name}\0{config.model_dump_json()}"
-
-
-def _session(task_name: str, config: SmolvmSandboxConfig) -> Session:
-    key = _key(task_name, config)
+def _session(config: SmolvmSandboxConfig) -> Session:
+    key = config.model_dump_json()
     session = _sessions.get(key)
     if session is None:  # sample_init without task_init (Inspect's own checks do this)
         session = _sessions[key] = Session(baseline=config.baseline, setup=config.setup,
@@ -80,7 +78,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
         settings = load(config)
-        session = _session(task_name, settings)
+        session = _session(settings)
         # The baseline is prepared once here (pull/unpack/warm setup): a throwaway guest does it.
         vm = await session.acreate(f"{task_name}:init", **settings.guest_keywords())
         await session.adestroy(vm)
@@ -89,7 +87,7 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
         settings = load(config)
-        session = _session(task_name, settings)
+        session = _session(settings)
         keywords = settings.guest_keywords()
         user = keywords.get("user")  # the VM runs file operations as it too
         environments: dict[str, SandboxEnvironment] = {}
@@ -114,18 +112,30 @@ class SmolvmSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        session = _sessions.pop(_key(task_name, load(config)), None)
+        session = _sessions.pop(load(config).model_dump_json(), None)
         if session is not None:
-            await session.aclose()  # destroys what samples left, then reaps this run's leftovers
+            # Destroys what samples left, then reaps this run's leftovers; with Inspect's
+            # --no-sandbox-cleanup (no sample_cleanup ran) the samples' guests are kept instead.
+            await session.aclose(keep=not cleanup)
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
-        """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper."""
-        from pytest_smolvm.handle.aio import in_thread
-        from pytest_smolvm.session.reaper import reap_orphans
+        """``inspect sandbox cleanup smolvm [NAME]``: guests whose owner is gone, through the reaper.
 
-        names = None if id is None else {id: None}
-        await in_thread(lambda: reap_orphans(names=names))
+        Kept guests too where they are a Session's (``--no-sandbox-cleanup`` keeps the samples'),
+        or named; a pytest run's ``--smol-keep`` guests are left to ``pytest-smolvm reap --kept``.
+        """
+        from pytest_smolvm.handle.aio import in_thread
+        from pytest_smolvm.host import registry
+        from pytest_smolvm.session.library import WORKER
+        from pytest_smolvm.session.reaper import destroy_record
+
+        def select(record: registry.Record) -> bool:
+            if id is not None and record.name != id:
+                return False
+            return registry.orphaned(record, include_kept=id is not None or record.worker == WORKER)
+
+        await in_thread(lambda: registry.reap(select, destroy_record))
 
     async def _prepare_workdir(self) -> None:
         owner = "root" if self._user is None else str(self._user)

@@ -104,8 +104,9 @@ class Session:
         else:
             self._run.pool.release(live)
 
-    def close(self) -> list[str]:
-        """Destroy every guest still alive (or keep them, with ``keep='always'``) and end the run.
+    def close(self, *, keep: bool = False) -> list[str]:
+        """Destroy every guest still alive (or keep them, with ``keep=True`` or ``keep='always'``:
+        recorded as kept, for ``pytest-smolvm shell`` and ``pytest-smolvm reap --kept``) and end the run.
 
         Returns the problems met, which were also left to the reaper; never raises.
         """
@@ -114,7 +115,7 @@ class Session:
         self._closed = True
         with self._lock:
             remaining, self._live = list(self._live.values()), {}
-        if remaining and self._run.settings.keep == "always":
+        if remaining and (keep or self._run.settings.keep == "always"):
             for live in remaining:
                 self._run.pool.keep(live)
         return self._run.finish()  # destroys what is still alive, ends the run, reaps its leftovers
@@ -138,10 +139,10 @@ class Session:
 
         await in_thread(lambda: self.destroy(vm))
 
-    async def aclose(self) -> list[str]:
+    async def aclose(self, *, keep: bool = False) -> list[str]:
         from pytest_smolvm.handle.aio import in_thread
 
-        return await in_thread(self.close)
+        return await in_thread(lambda: self.close(keep=keep))
 
     async def __aenter__(self) -> Session:
         return self

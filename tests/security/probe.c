@@ -110,6 +110,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "af_packet")) report(a, socket(AF_PACKET, SOCK_RAW, 0));
         else if (!strcmp(a, "raw_socket")) report(a, socket(AF_INET, SOCK_RAW, 1));
         else if (!strcmp(a, "nf_netlink")) report(a, socket(AF_NETLINK, SOCK_RAW, 12));
+        else if (!strcmp(a, "audit_netlink")) report(a, socket(AF_NETLINK, SOCK_RAW, 9));
+        else if (!strcmp(a, "audit_netlink_dgram")) report(a, socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, 9));
+        else if (!strcmp(a, "route_netlink")) report(a, socket(AF_NETLINK, SOCK_RAW, 0));
         else if (!strcmp(a, "mount")) report(a, mount("none", "/tmp", "tmpfs", 0, NULL));
         else if (!strcmp(a, "open_by_handle_at")) report(a, syscall(SYS_open_by_handle_at, AT_FDCWD, calloc(1, 256), 0));
         else if (!strcmp(a, "kexec_load")) report(a, syscall(SYS_kexec_load, 0, 0, NULL, 0));

@@ -398,6 +398,15 @@ def test_9_seccomp_denies_the_dangerous_syscalls(probe: Probe) -> None:
     # The filter, not only missing capabilities: /proc says a filter is on.
 
 
+def test_9c_the_audit_socket_is_einval_so_shadow_user_tools_run(probe: Probe) -> None:
+    """shadow's useradd/adduser/userdel abort unless opening the audit socket fails with EINVAL
+    (or EPROTONOSUPPORT/EAFNOSUPPORT): "Cannot open audit interface - aborting". Podman's profile
+    answers EINVAL; the raw-socket rule around it still refuses other raw netlink sockets."""
+    found = probe("audit_netlink", "audit_netlink_dgram", "route_netlink", "nf_netlink")
+    assert found == {"audit_netlink": f"errno={errno.EINVAL}", "audit_netlink_dgram": f"errno={errno.EINVAL}",
+                     "route_netlink": f"errno={errno.EPERM}", "nf_netlink": f"errno={errno.EPERM}"}, found
+
+
 def test_9b_the_filter_is_on_and_relax_turns_it_off(make_vm: Callable[..., VM], probe: Probe) -> None:
     assert "Seccomp:\t2" in make_vm().exec("cat /proc/self/status").stdout
     relaxed = make_vm(relax=("seccomp",))

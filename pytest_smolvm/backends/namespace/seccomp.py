@@ -11,6 +11,13 @@ the host: nested user namespaces (``unshare``, ``clone``/``clone3`` with namespa
 ``open_by_handle_at``, raw and packet sockets, netfilter netlink, and every mount call (the
 guest's mounts are all made before the filter is loaded). A non-native syscall ABI (i386,
 x32) kills the process: libseccomp's default for a foreign architecture.
+
+The audit netlink socket is answered with EINVAL, as Podman's default profile (containers/common)
+answers a container without CAP_AUDIT_WRITE: shadow's ``useradd``/``adduser``/``userdel`` and
+libaudit read EINVAL as "this kernel has no audit" and go on, where the EPERM of the raw-socket
+rule made them abort ("Cannot open audit interface - aborting"). Docker's default profile
+allows the socket (every family but AF_VSOCK); refusing it keeps a guest's root (which holds
+CAP_AUDIT_WRITE) from writing records into the host's audit log.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ DENIED = (
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 AF_NETLINK, AF_PACKET = 16, 17
 SOCK_TYPE_MASK, SOCK_RAW, SOCK_PACKET = 0xF, 3, 10
-NETLINK_NETFILTER = 12
+NETLINK_AUDIT, NETLINK_NETFILTER = 9, 12
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,9 +75,15 @@ def guest_filter() -> bytes:
         filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     filt.add_rule(deny, "socket", sc.Arg(0, sc.EQ, AF_PACKET))
-    filt.add_rule(deny, "socket", sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_RAW))
-    filt.add_rule(deny, "socket", sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, SOCK_PACKET))
+    # Raw and packet sockets of every family, netlink included, except the audit socket, whose
+    # own rule must be the only one that matches it: where two rules match, libseccomp's EPERM
+    # won over the EINVAL. (Netlink sockets are SOCK_RAW; libaudit opens its socket that way.)
+    for sock_type in (SOCK_RAW, SOCK_PACKET):
+        kind = sc.Arg(1, sc.MASKED_EQ, SOCK_TYPE_MASK, sock_type)
+        filt.add_rule(deny, "socket", sc.Arg(0, sc.NE, AF_NETLINK), kind)
+        filt.add_rule(deny, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), kind, sc.Arg(2, sc.NE, NETLINK_AUDIT))
     filt.add_rule(deny, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.EQ, NETLINK_NETFILTER))
+    filt.add_rule(sc.ERRNO(errno.EINVAL), "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.EQ, NETLINK_AUDIT))
     with tempfile.TemporaryFile() as out:
         filt.export_bpf(out)
         out.seek(0)
