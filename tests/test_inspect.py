@@ -37,15 +37,25 @@ from pytest_smolvm.integrations import inspect_sandbox  # noqa: E402
 from pytest_smolvm.integrations.inspect_config import SmolvmSandboxConfig, load  # noqa: E402
 
 # A non-root default user, as the issue asks: Inspect's permission checks cannot fail for root.
-# On the bundled Alpine baseline (BusyBox adduser); a warm setup makes the user once per host.
+# On the bundled Alpine baseline (BusyBox adduser) and on Debian (shadow's useradd, which opens the
+# audit socket: the seccomp filter answers it as Podman's does). A warm setup makes the user once.
 AGENT = SmolvmSandboxConfig(user="agent", setup=("adduser -D agent",))
 CHECKS = sorted(name for name in dir(self_check) if name.startswith("test_"))
 
 
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory, shared_cache: Path,
+def _config(baseline: str) -> SmolvmSandboxConfig:
+    if baseline == "alpine":
+        return AGENT
+    from tests.debian import debian_rootfs
+
+    return SmolvmSandboxConfig(baseline=str(debian_rootfs()), user="agent", setup=("useradd -m agent",))
+
+
+@pytest.fixture(scope="module", params=["alpine", "debian"])
+def sample(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, shared_cache: Path,
            smol_engine_home: Path) -> Iterator[inspect_sandbox.SmolvmSandboxEnvironment]:
     """One sample's guest for every check, made and destroyed as Inspect does it."""
+    config = _config(request.param)
     state = tmp_path_factory.mktemp("smolvm-state")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTEST_SMOLVM_STATE_DIR", str(state))
@@ -53,13 +63,13 @@ def sample(tmp_path_factory: pytest.TempPathFactory, shared_cache: Path,
         mp.setenv("XDG_CACHE_HOME", str(smol_engine_home / "c"))
         mp.setenv("XDG_DATA_HOME", str(smol_engine_home / "d"))
         cls = inspect_sandbox.SmolvmSandboxEnvironment
-        asyncio.run(cls.task_init("selfcheck", AGENT))
-        envs = asyncio.run(cls.sample_init("selfcheck", AGENT, {}))
+        asyncio.run(cls.task_init("selfcheck", config))
+        envs = asyncio.run(cls.sample_init("selfcheck", config, {}))
         try:
             yield envs["default"].as_type(cls)
         finally:
-            asyncio.run(cls.sample_cleanup("selfcheck", AGENT, envs, False))
-            asyncio.run(cls.task_cleanup("selfcheck", AGENT, True))
+            asyncio.run(cls.sample_cleanup("selfcheck", config, envs, False))
+            asyncio.run(cls.task_cleanup("selfcheck", config, True))
         assert_host_clean(state)
 
 

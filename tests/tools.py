@@ -23,6 +23,8 @@ PACKAGES = {
     "userdel": "passwd",
     "id": "coreutils",
     "chromium": "chromium",  # the results report is opened in a real, headless browser
+    "debootstrap": "debootstrap",  # a Debian baseline for Inspect's checks (tests/debian.py)
+    "root": "(run the tests as root)",
 }
 
 
