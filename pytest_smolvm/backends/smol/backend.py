@@ -36,6 +36,7 @@ from pytest_smolvm.backends.smol.common import (
     TARGETS,
     OwnedMachine,
     _connect,
+    _describe,
     _smol_version,
     cloud_token_source,
     is_retryable,
@@ -179,13 +180,33 @@ class SmolBackend:
                 guest.destroy()
             except GuestError as exc:
                 errors.append(str(exc))
+        self._sweep(kept, errors, sources=False)  # first: a stray child blocks its source's delete
         for source in sources:
             try:
                 self._delete_source(source)
             except GuestError as exc:
                 errors.append(str(exc))
+        self._sweep(kept, errors, sources=True)
         if errors:
             raise GuestError("smol: teardown left machines behind: " + "; ".join(errors))
+
+    def _sweep(self, kept: set[str], errors: list[str], *, sources: bool) -> None:
+        """Delete machines labelled as this process's that it never heard of: a create or branch
+        whose answer was lost (the cloud made it, then the connection closed) stayed until a
+        later run's reaper or its TTL."""
+        from smol import SmolError
+
+        try:
+            strays = [m for m in list_owned(self.labels, target=self.target)
+                      if m.name not in kept and (sources or not m.is_source)]
+        except SmolError as exc:
+            errors.append(f"listing this process's machines: {_describe(exc)}")
+            return
+        for machine in strays:
+            try:
+                destroy_recorded({"name": machine.name, "id": machine.name, "target": self.target})
+            except GuestError as exc:
+                errors.append(str(exc))
 
     # ---------------------------------------------------------------- sources
 
