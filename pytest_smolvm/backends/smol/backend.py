@@ -101,6 +101,7 @@ class SmolBackend:
         # Re-entrant: making a source runs the warm-baseline setup in it, which attaches to it.
         self._key_locks: dict[str, threading.RLock] = {}
         self._closed = False
+        self._asked = False  # a create or branch was sent: close() looks for ones whose answer was lost
         self._share_source = options.share_source  # set in xdist workers: the controller owns sources
         for key, name in options.shared.items():
             self._sources[key] = _Source(key, name, None, owned=False)
@@ -145,6 +146,7 @@ class SmolBackend:
             raise ProvisionError("smol: a guest needs a unique name (VMSpec.name is empty)")
         source = self._source_for(spec)
         machine = self._source_machine(source)
+        self._asked = True
         try:
             child = machine.branch(spec.name)
         except SmolError as exc:
@@ -196,6 +198,8 @@ class SmolBackend:
         later run's reaper or its TTL."""
         from smol import SmolError
 
+        if not self._asked:
+            return
         try:
             strays = [m for m in list_owned(self.labels, target=self.target)
                       if m.name not in kept and (sources or not m.is_source)]
@@ -355,6 +359,7 @@ class SmolBackend:
 
         name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
         config = self.machine_config(name, key, spec)
+        self._asked = True
         try:
             machine = Machine.create(config, _connect(self.target))
         except SmolError as exc:
