@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from pytest_smolvm.baselines.oci import store
 from pytest_smolvm.baselines.oci.pull import resolve_image
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.session.settings import Settings
+from tests.faults.conftest import wait_for
 from tests.registry_fixtures import Images, no_partial_files
 from tests.registry_server import ProxyConfig, proxy
 
@@ -97,7 +97,7 @@ def test_sigkill_mid_pull_leaves_no_partial_blob_and_the_next_run_pulls(
         proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=pytester.path,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_for(lambda: any(p.name.startswith(".tmp-") and p.stat().st_size > (1 << 18)
+            wait_for(lambda: any(p.name.startswith(".tmp-") and p.stat().st_size > (1 << 18)
                                   for p in (cache / "oci" / "blobs" / "sha256").glob(".tmp-*")))
         finally:
             os.kill(proc.pid, signal.SIGKILL)
@@ -106,14 +106,3 @@ def test_sigkill_mid_pull_leaves_no_partial_blob_and_the_next_run_pulls(
         pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
     assert no_partial_files(cache) == [], "the killed pull's partial layer is still in the cache"
 
-
-def _wait_for(condition: object, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():  # type: ignore[operator]
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the fault's moment never came"
-        time.sleep(0.02)
