@@ -190,6 +190,13 @@ class ProxyConfig:
     refresh_token: str = "refresh-me"
     tokens_issued: int = 0
     paths: list[str] = field(default_factory=list)
+    # Faults mid-pull: the next blob GETs answer these statuses, in order, before any passes through;
+    blob_statuses: list[int] = field(default_factory=list)
+    # the next ``blob_drops`` blob GETs send their headers and ``drop_after`` bytes, then hang up;
+    blob_drops: int = 0
+    drop_after: int = 1 << 16
+    # and a blob body is sent 64 KiB at a time with this many seconds between (a pull to kill).
+    chunk_delay: float = 0.0
 
 
 class _ProxyHandler(http.server.BaseHTTPRequestHandler):
@@ -224,12 +231,20 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         except urllib.error.HTTPError as exc:
             body, status, headers = exc.read(), exc.code, dict(exc.headers)
         digest = self.path.rsplit("/", 1)[-1]
-        if "/blobs/" in self.path and digest in config.corrupt_blobs and body:
+        blob = "/blobs/" in self.path
+        if blob and digest in config.corrupt_blobs and body:
             body = body[:-1] + bytes([body[-1] ^ 0xFF])
-        if "/blobs/" in self.path and config.delay_per_mb:
+        if blob and config.delay_per_mb:
             time.sleep(config.delay_per_mb * len(body) / (1 << 20))
         keep = {k: v for k, v in headers.items() if k.lower() in ("content-type", "docker-content-digest")}
-        self._reply(status, body, keep)
+        if blob and config.blob_statuses:
+            self._reply(config.blob_statuses.pop(0), b'{"errors": []}', {"Content-Type": "application/json"})
+            return
+        if blob and config.blob_drops:
+            config.blob_drops -= 1
+            self._reply(status, body, keep, stop_after=config.drop_after)
+            return
+        self._reply(status, body, keep, chunk_delay=config.chunk_delay if blob else 0.0)
 
     def do_POST(self) -> None:
         """The OAuth2 side of the token service: a refresh token ('identitytoken') for an access token."""
@@ -242,13 +257,28 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         self.config.tokens_issued += 1
         self._reply(200, json.dumps({"access_token": self.token}).encode(), {"Content-Type": "application/json"})
 
-    def _reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+    def _reply(self, status: int, body: bytes, headers: dict[str, str], *, stop_after: int | None = None,
+               chunk_delay: float = 0.0) -> None:
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if stop_after is not None:  # the connection drops mid-body: fewer bytes than promised
+            self.wfile.write(body[:stop_after])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        step = 1 << 16 if chunk_delay else max(len(body), 1)
+        try:
+            for start in range(0, len(body), step):
+                self.wfile.write(body[start:start + step])
+                if chunk_delay:
+                    self.wfile.flush()
+                    time.sleep(chunk_delay)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the puller went away (killed mid-pull)
 
 
 @contextlib.contextmanager

@@ -225,7 +225,7 @@ def test_a_layer_damaged_in_the_cache_fails_the_unpack_cleanly(oci_registry: Ima
     data[-1] ^= 0xFF  # the gzip trailer: extraction succeeds, only the digest can tell
     blob.chmod(0o644)
     blob.write_bytes(bytes(data))
-    with pytest.raises(UsageError, match="is damaged; remove it from the cache"):
+    with pytest.raises(UsageError, match="is damaged; it was removed from the cache"):
         baselines.unpack(base)
     assert not (oci_cache / "baselines" / base.path.name[:32]).exists()  # type: ignore[union-attr]
     assert no_partial_files(oci_cache) == []

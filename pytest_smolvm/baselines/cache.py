@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from pytest_smolvm.baselines.archive import apply_layer, open_maybe_compressed, 
 from pytest_smolvm.baselines.baseline import Baseline, Rootfs
 from pytest_smolvm.errors import UsageError
 from pytest_smolvm.host.paths import cache_dir
+from pytest_smolvm.untrusted.walk import rmtree
 
 
 def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
@@ -38,17 +38,19 @@ def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     # A finished tree comes into place whole (a staging dir renamed, image.json written inside it
     # first) and nothing removes one, so a hit needs no lock: every run but a host's first takes
     # this path, without importing filelock (on the way to a run's first guest).
-    if (final / "image.json").is_file():
-        return _load_rootfs(final)
+    found = _finished(final)
+    if found is not None:
+        return found
     store.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
     with FileLock(str(store / f"{key}.lock")):
-        if (final / "image.json").is_file():
-            return _load_rootfs(final)
+        found = _finished(final, locked=True)
+        if found is not None:
+            return found
         started = time.monotonic()
+        _remove_orphans(store, key)
         staging = store / f".unpack-{key}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
         try:
             (staging / "rootfs").mkdir(parents=True)
             if baseline.kind == "registry":
@@ -83,17 +85,19 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
     """
     store = cache_dir() / "baselines"
     final = store / f"warm-{key[:32]}"
-    if (final / "image.json").is_file():
-        return _load_rootfs(final)  # no lock for a hit: see unpack
+    found = _finished(final)
+    if found is not None:
+        return found  # no lock for a hit: see unpack
     store.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
     with FileLock(str(store / f"warm-{key[:32]}.lock")):
-        if (final / "image.json").is_file():
-            return _load_rootfs(final)
+        found = _finished(final, locked=True)
+        if found is not None:
+            return found
         started = time.monotonic()
+        _remove_orphans(store, final.name)
         staging = store / f".warm-{key[:32]}-{os.getpid()}"
-        force_rmtree(staging)
         try:
             (staging / "rootfs").mkdir(parents=True)
             capture(staging / "rootfs")
@@ -140,6 +144,33 @@ def preparations(digest: str) -> list[dict[str, Any]]:
     return found
 
 
+def _finished(final: Path, *, locked: bool = False) -> Rootfs | None:
+    """The finished tree at ``final``, or None. One whose image.json no longer reads (a damaged
+    cache: a full disk, a bad block, a hand edit) is not finished: under the lock it is moved
+    aside and removed, then unpacked again, rather than failing every run from now on."""
+    if not (final / "image.json").is_file():
+        return None
+    try:
+        return _load_rootfs(final)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if not locked:
+            return None
+    damaged = final.with_name(f".damaged-{final.name}-{os.getpid()}")
+    os.replace(final, damaged)  # at once: no run takes the damaged tree from here on
+    force_rmtree(damaged)
+    return None
+
+
+def _remove_orphans(store: Path, name: str) -> None:
+    """Staging (and set-aside) dirs of processes killed mid-unpack (SIGKILL, OOM, a power cut).
+    Called under ``name``'s lock, so no live process is filling one; each would stay for good:
+    the next unpack's staging dir is named by its own pid."""
+    prefix = ".warm-" if name.startswith("warm-") else ".unpack-"
+    for pattern in (f"{prefix}{name.removeprefix('warm-')}-*", f".damaged-{name}-*"):
+        for orphan in store.glob(pattern):
+            force_rmtree(orphan)
+
+
 def _load_rootfs(final: Path) -> Rootfs:
     meta = json.loads((final / "image.json").read_text())
     env = dict(item.split("=", 1) for item in meta["env"] if "=" in item)
@@ -147,10 +178,6 @@ def _load_rootfs(final: Path) -> Rootfs:
 
 
 def force_rmtree(path: Path) -> None:
-    def make_writable(func: Any, failed: str, _exc: Any) -> None:
-        os.chmod(os.path.dirname(failed), 0o700)
-        func(failed)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=make_writable)
+    """Remove a tree, read-only dirs and any depth included (a warm export is a guest's tree)."""
+    rmtree(path)
 

@@ -7,6 +7,7 @@ same defaults and errors, by construction.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import posixpath
@@ -23,6 +24,7 @@ from pytest_smolvm import limits
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.limits import guest_timeout
 from pytest_smolvm.untrusted import confined, rules
+from pytest_smolvm.untrusted.walk import rmtree
 
 if TYPE_CHECKING:
     from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback
@@ -199,12 +201,13 @@ class GuestHandle:
             if not payload.exists() and not payload.is_symlink():
                 raise GuestError(f"copy_out: the guest sent nothing for {src}")
             if target.exists() and target.is_dir() and payload.is_dir():
-                shutil.rmtree(target)
+                rmtree(target)  # a guest's tree: any depth (shutil.rmtree recursed once per level)
             elif target.exists() and target.is_dir():
                 raise GuestError(f"copy_out: {target} is a directory but {src} is not")
             os.replace(payload, target)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                rmtree(staging)
         return target
 
     def _user(self) -> str | None:

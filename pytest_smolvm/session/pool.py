@@ -32,7 +32,7 @@ from pytest_smolvm.backends.base import Backend, BackendOptions, EgressAttempt, 
 from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.errors import BaselineSetupError, GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
-from pytest_smolvm.host import registry
+from pytest_smolvm.host import procs, registry
 from pytest_smolvm.session import capacity
 from pytest_smolvm.session.background import Ahead, Bounded, Teardown
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
@@ -188,6 +188,9 @@ class GuestPool:
             return self._create_now(test_id, spec, base, started)
         key = (base.digest, repr(spec))
         live = self._ahead.take(key)
+        if live is not None and not _still_running(live.guest):
+            self.release(live)  # it died while it waited (its init killed, OOM): destroyed, not handed out
+            live = None
         if live is not None:
             live.record.test_id = test_id
             live.record.save()
@@ -355,6 +358,14 @@ class GuestPool:
 
 
 _destroyers = threading.local()  # each thread's background.Bounded for destroys
+
+
+def _still_running(guest: Guest) -> bool:
+    """Whether a guest made ahead still has its init (one without a host pid, a cloud machine,
+    is taken as running: the test's first call would say otherwise)."""
+    data = guest.registry_data()
+    pid, start = data.get("pid"), data.get("pid_start")
+    return not isinstance(pid, int) or procs.is_alive(pid, start if isinstance(start, int) else None)
 
 
 def _bounded(action: Any, attempts: int, timeout: float) -> str | None:

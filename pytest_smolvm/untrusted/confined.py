@@ -80,8 +80,10 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Polic
             if fd >= 0:
                 os.close(fd)
     pump = None
+    unreadable: list[BaseException] = []  # what reading the stream raised, in the pump
     if write_end >= 0:
-        pump = threading.Thread(target=_pump, args=(stream, write_end), daemon=True, name="smolvm-unpack-pump")
+        pump = threading.Thread(target=_pump, args=(stream, write_end, unreadable), daemon=True,
+                                name="smolvm-unpack-pump")
         pump.start()
     try:
         lines = _read_result(result_r, caps.timeout + limits.LIMITS.unpacker_grace, policy)
@@ -89,6 +91,10 @@ def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: rules.Polic
         os.close(result_r)
         if pump is not None:
             pump.join(timeout=5)
+    if unreadable:
+        # The helper saw an end of stream where reading failed: what it unpacked may look whole
+        # (the failure fell between members) and must not be taken for the whole stream.
+        raise UnsafeArchive(f"{policy.what}: reading the stream failed: {unreadable[0]!r}")
     last = lines[-1] if lines else {}
     if last.get("ok"):
         return
@@ -186,16 +192,20 @@ def _pipe_fd(stream: IO[bytes]) -> int:
     return fd if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else -1
 
 
-def _pump(stream: IO[bytes], fd: int) -> None:
+def _pump(stream: IO[bytes], fd: int, unreadable: list[BaseException]) -> None:
     try:
         while True:
-            chunk = stream.read(rules.CHUNK)
+            try:
+                chunk = stream.read(rules.CHUNK)
+            except Exception as exc:  # a truncated gzip or zstd frame, a read error: the caller says so
+                unreadable.append(exc)
+                break
             if not chunk:
                 break
             view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view):]
-    except (BrokenPipeError, OSError, ValueError):
+    except OSError:
         pass  # the helper stopped reading: its own error says why
     finally:
         os.close(fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass, field
 
 from pytest_smolvm.errors import UnsafeArchive
 from pytest_smolvm.untrusted.rules import DIR_CACHE, DIR_FLAGS, MAX_LINK_HOPS, MAX_NAME, Policy
@@ -211,18 +212,118 @@ class TreeWalker:
             return -1
 
 
+# Removal is a loop over a stack of directories, not a recursion: a stream's names can nest 2,000
+# directories deep (4,096 characters of "a/a/..."), and one frame per level raised RecursionError,
+# which is no OSError: the extractor let it out raw and ``ignore_errors=True`` did not stop it.
+# At most OPEN_FDS of the stack's fds are held (the confined helper may open 256 in all); a level
+# closed to keep that bound is opened again by name from its nearest open parent, O_NOFOLLOW.
+OPEN_FDS = 32
+
+
+@dataclass
+class _Level:
+    name: str  # under the level above (or the caller's dir fd)
+    fd: int  # -1 while closed to keep the bound
+    subdirs: list[str] = field(default_factory=list)  # still to remove
+
+
 def _rmtree_at(parent_fd: int, base: str) -> None:
-    """Remove the directory ``base`` under ``parent_fd``: fds all the way down, no link followed."""
-    fd = os.open(base, DIR_FLAGS, dir_fd=parent_fd)
+    """Remove ``base`` under ``parent_fd`` at any depth: fds all the way down, no link followed
+    (a link is removed as the entry it is); a missing ``base`` is fine."""
     try:
-        os.fchmod(fd, 0o700)  # a 0555 dir from the stream must not keep its entries
-        for entry in os.listdir(fd):
-            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                _rmtree_at(fd, entry)
-            else:
-                os.unlink(entry, dir_fd=fd)
+        st = os.stat(base, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(base, dir_fd=parent_fd)
+        return
+    levels = [_enter(parent_fd, base)]
+    try:
+        while levels:
+            top = levels[-1]
+            if top.subdirs:
+                levels.append(_enter(_level_fd(levels, len(levels) - 1, parent_fd), top.subdirs.pop()))
+                _bound(levels)
+                continue
+            levels.pop()
+            if top.fd >= 0:
+                os.close(top.fd)
+                top.fd = -1
+            os.rmdir(top.name, dir_fd=_level_fd(levels, len(levels) - 1, parent_fd) if levels else parent_fd)
+    finally:
+        for level in levels:
+            if level.fd >= 0:
+                os.close(level.fd)
+
+
+def rmtree(path: str | os.PathLike[str]) -> None:
+    """Remove the tree at ``path`` (a guest's copy, a staging dir) at any depth; missing is fine.
+    Only ``path``'s parent is resolved as a path: it is the caller's, not the guest's."""
+    parent, base = os.path.split(os.path.abspath(path))
+    try:
+        fd = os.open(parent, DIR_FLAGS)
+    except FileNotFoundError:
+        return
+    try:
+        _rmtree_at(fd, base)
     finally:
         os.close(fd)
-    os.rmdir(base, dir_fd=parent_fd)
 
+
+def _enter(parent_fd: int, name: str) -> _Level:
+    """Open ``name``, make it writable, remove every non-directory in it, list its subdirs."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except PermissionError:  # a 0000 dir, as a user: ours to open up, through an O_PATH fd of it
+        path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
+        try:
+            os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
+        finally:
+            os.close(path_fd)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    level = _Level(name, fd)
+    try:
+        os.fchmod(fd, 0o700)  # a 0555 dir from the stream must not keep its entries
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    level.subdirs.append(entry.name)
+                else:
+                    try:
+                        os.unlink(entry.name, dir_fd=fd)
+                    except FileNotFoundError:
+                        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    return level
+
+
+def _level_fd(levels: list[_Level], index: int, parent_fd: int) -> int:
+    """The open fd of ``levels[index]``. If it was closed, the chain down to it is opened again
+    from its nearest open parent, and its last OPEN_FDS levels stay open for the way back up
+    (a 2,000-deep tree costs ~depth²/OPEN_FDS opens, not one walk per level)."""
+    if levels[index].fd >= 0:
+        return levels[index].fd
+    start = index
+    while start >= 0 and levels[start].fd < 0:
+        start -= 1
+    fd = levels[start].fd if start >= 0 else parent_fd
+    for i in range(start + 1, index + 1):
+        next_fd = os.open(levels[i].name, DIR_FLAGS, dir_fd=fd)
+        if i - 1 > start:
+            if i - 1 <= index - OPEN_FDS:
+                os.close(fd)  # a level the way up will not reach before the next walk
+            else:
+                levels[i - 1].fd = fd
+        fd = next_fd
+    levels[index].fd = fd
+    return fd
+
+
+def _bound(levels: list[_Level]) -> None:
+    """Close the outermost fds past OPEN_FDS (they are opened again on the way back up)."""
+    open_levels = [level for level in levels if level.fd >= 0]
+    for level in open_levels[:max(0, len(open_levels) - OPEN_FDS)]:
+        os.close(level.fd)
+        level.fd = -1

@@ -2,7 +2,9 @@
 
 ``--fail create:2:503`` makes the second create answer 503 (retryable, as ``_retryable_status``
 says of 408/429/502/503/504, transport.py:1929-1930); ``--fail branch:1:429:1`` adds a
-``retry-after: 1`` header. Counts are per server, across every token.
+``retry-after: 1`` header. ``--fail create:1:drop`` hangs up on the first create before doing
+it, ``--fail create:1:lost`` does it and then hangs up: the machine exists, the client never hears
+of it. Counts are per server, across every token.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from tests.smolcloud import wire
 
 OPERATIONS = ("create", "start", "branch", "exec", "delete", "list")
 RETRYABLE = frozenset({408, 429, 502, 503, 504})
+HANG_UPS = ("drop", "lost")  # no answer at all: before the operation, or after it was done
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Fault:
     nth: int
     status: int
     retry_after: int | None = None
+    hang_up: str = ""  # one of HANG_UPS: the connection closes instead of an answer (status is 0)
 
 
 def parse_fault(text: str) -> Fault:
@@ -30,6 +34,8 @@ def parse_fault(text: str) -> Fault:
     if len(parts) not in (3, 4) or parts[0] not in OPERATIONS:
         raise ValueError(f"--fail {text}: expected OP:N:STATUS[:RETRY_AFTER] with OP one of "
                          f"{', '.join(OPERATIONS)}")
+    if len(parts) == 3 and parts[2] in HANG_UPS and parts[1].isdigit() and int(parts[1]) >= 1:
+        return Fault(parts[0], int(parts[1]), 0, hang_up=parts[2])
     try:
         numbers = [int(p) for p in parts[1:]]
     except ValueError:
@@ -45,6 +51,7 @@ class Faults:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self.fired: list[Fault] = []
+        self._local = threading.local()  # a hang-up due on this handler thread's connection
 
     def check(self, operation: str) -> None:
         with self._lock:
@@ -52,10 +59,21 @@ class Faults:
             hit = next((f for f in self._faults if f.operation == operation and f.nth == count), None)
             if hit is not None:
                 self.fired.append(hit)
+        if hit is not None and hit.hang_up:
+            self._local.hang_up = True
+            if hit.hang_up == "drop":
+                raise wire.ApiError(503, "injected_failure", f"{operation} call {count} dropped (--fail)")
+            return
         if hit is not None:
             raise wire.ApiError(hit.status, "injected_failure",
                                 f"injected failure of {operation} call {count} (--fail)",
                                 retryable=hit.status in RETRYABLE, retry_after=hit.retry_after)
+
+    def take_hang_up(self) -> bool:
+        """Whether this thread's answer is to be a closed connection instead (once)."""
+        due = getattr(self._local, "hang_up", False)
+        self._local.hang_up = False
+        return bool(due)
 
     def counts(self) -> dict[str, int]:
         with self._lock:

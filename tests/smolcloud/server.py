@@ -113,8 +113,18 @@ class Handler(BaseHTTPRequestHandler):
             raise wire.ApiError(401, "unauthorized", "missing or malformed Authorization: Bearer <key>")
         self.token = token.strip()
 
+    def _hung_up(self) -> bool:
+        """An injected hang-up (--fail OP:N:drop|lost): the connection closes, no answer is sent."""
+        if not self.server.store.faults.take_hang_up():
+            return False
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+        return True
+
     def _send(self, status: int, payload: bytes, content_type: str,
               headers: dict[str, str] | None = None) -> None:
+        if self._hung_up():
+            return
         self.send_response(status)
         self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(payload)))
@@ -129,6 +139,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(value).encode(), "application/json")
 
     def _no_content(self) -> None:
+        if self._hung_up():
+            return
         self.send_response(HTTPStatus.NO_CONTENT)
         self.send_header("x-request-id", self.request_id)
         self.send_header("content-length", "0")

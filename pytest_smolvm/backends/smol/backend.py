@@ -36,6 +36,7 @@ from pytest_smolvm.backends.smol.common import (
     TARGETS,
     OwnedMachine,
     _connect,
+    _describe,
     _smol_version,
     cloud_token_source,
     is_retryable,
@@ -100,6 +101,7 @@ class SmolBackend:
         # Re-entrant: making a source runs the warm-baseline setup in it, which attaches to it.
         self._key_locks: dict[str, threading.RLock] = {}
         self._closed = False
+        self._asked = False  # a create or branch was sent: close() looks for ones whose answer was lost
         self._share_source = options.share_source  # set in xdist workers: the controller owns sources
         for key, name in options.shared.items():
             self._sources[key] = _Source(key, name, None, owned=False)
@@ -144,6 +146,7 @@ class SmolBackend:
             raise ProvisionError("smol: a guest needs a unique name (VMSpec.name is empty)")
         source = self._source_for(spec)
         machine = self._source_machine(source)
+        self._asked = True
         try:
             child = machine.branch(spec.name)
         except SmolError as exc:
@@ -179,13 +182,35 @@ class SmolBackend:
                 guest.destroy()
             except GuestError as exc:
                 errors.append(str(exc))
+        self._sweep(kept, errors, sources=False)  # first: a stray child blocks its source's delete
         for source in sources:
             try:
                 self._delete_source(source)
             except GuestError as exc:
                 errors.append(str(exc))
+        self._sweep(kept, errors, sources=True)
         if errors:
             raise GuestError("smol: teardown left machines behind: " + "; ".join(errors))
+
+    def _sweep(self, kept: set[str], errors: list[str], *, sources: bool) -> None:
+        """Delete machines labelled as this process's that it never heard of: a create or branch
+        whose answer was lost (the cloud made it, then the connection closed) stayed until a
+        later run's reaper or its TTL."""
+        from smol import SmolError
+
+        if not self._asked:
+            return
+        try:
+            strays = [m for m in list_owned(self.labels, target=self.target)
+                      if m.name not in kept and (sources or not m.is_source)]
+        except SmolError as exc:
+            errors.append(f"listing this process's machines: {_describe(exc)}")
+            return
+        for machine in strays:
+            try:
+                destroy_recorded({"name": machine.name, "id": machine.name, "target": self.target})
+            except GuestError as exc:
+                errors.append(str(exc))
 
     # ---------------------------------------------------------------- sources
 
@@ -334,6 +359,7 @@ class SmolBackend:
 
         name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
         config = self.machine_config(name, key, spec)
+        self._asked = True
         try:
             machine = Machine.create(config, _connect(self.target))
         except SmolError as exc:

@@ -127,7 +127,9 @@ class _Puller:
 
     def _json_blob(self, digest: Any, what: str, *, manifest: bool) -> dict[str, Any]:
         self._check_digest(digest, what)
-        if not store.has(digest):
+        # Checked again when read from the cache: a damaged copy is dropped and pulled again.
+        body = store.read_verified(digest, MAX_CONFIG)
+        if body is None:
             if self.offline:
                 raise self._not_cached(what)
             if manifest:
@@ -144,7 +146,7 @@ class _Puller:
                 raise self.error(f"{what} {digest[:19]} from {self.ref.registry} does not match its digest "
                                  "(corrupt or tampered); nothing was cached") from None
         try:
-            data = json.loads(store.blob_path(digest).read_bytes())
+            data = json.loads(body)
         except ValueError:
             raise self.error(f"{what} {digest[:19]} is not JSON") from None
         if not isinstance(data, dict):
@@ -239,15 +241,17 @@ class _Puller:
 def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
     """Apply the cached layers of the manifest at ``manifest_path`` over ``dest``; the image config.
 
-    Each layer is hashed again as it is extracted, so a blob damaged in the cache since it
-    was pulled fails the unpack (whose staging dir the caller removes) instead of being used.
+    The manifest and config are checked against their digests, and each layer is hashed again
+    as it is extracted, so a blob damaged in the cache since it was pulled fails the unpack
+    (whose staging dir the caller removes) instead of being used, and leaves the cache: the
+    next run pulls it again instead of failing the same way.
     """
     from pytest_smolvm.baselines.archive import apply_layer, decompressed
     from pytest_smolvm.errors import UsageError
 
     try:
-        manifest = json.loads(manifest_path.read_bytes())
-        config = json.loads(store.blob_path(manifest["config"]["digest"]).read_bytes())
+        manifest = json.loads(_cached(f"sha256:{manifest_path.name}"))
+        config = json.loads(_cached(manifest["config"]["digest"]))
         layers = manifest["layers"]
         total = sum(int(layer.get("size", 0)) for layer in layers)
         progress = Progress(f"unpacking {title}")
@@ -271,10 +275,22 @@ def unpack_image(manifest_path: Path, dest: Path, title: str) -> dict[str, Any]:
                 reader.verify(layer["digest"])
         progress.done(f"{len(layers)} layer(s) unpacked")
     except DigestMismatch as exc:
-        raise UsageError(f"--smol-baseline={title}: cached layer {str(exc)[:19]} is damaged; "
-                         "remove it from the cache (see docs/baselines.md) and run again") from None
+        store.discard(str(exc))
+        raise UsageError(f"--smol-baseline={title}: cached blob {str(exc)[:19]} is damaged; it was removed "
+                         "from the cache: run again to pull it again") from None
     except FileNotFoundError as exc:
         raise UsageError(f"--smol-baseline={title}: {exc.filename} left the cache while unpacking; "
                          "run again to pull it") from None
     image_config = config.get("config") if isinstance(config, dict) else None
     return dict(image_config) if isinstance(image_config, dict) else {}
+
+
+def _cached(digest: str) -> bytes:
+    """A cached manifest or config, checked against its digest (DigestMismatch if damaged)."""
+    path = store.blob_path(digest)
+    if not path.is_file():
+        raise FileNotFoundError(2, "not in the cache", str(path))
+    data = store.read_verified(digest, MAX_CONFIG)
+    if data is None:
+        raise DigestMismatch(digest)
+    return data

@@ -38,6 +38,33 @@ def has(digest: str) -> bool:
     return blob_path(digest).is_file()
 
 
+def read_verified(digest: str, limit: int) -> bytes | None:
+    """A small cached blob's bytes if they still hash to ``digest``; None if it is not cached.
+    A damaged one (a bad block, a truncated write) is removed, so the next pull fetches it again."""
+    path = blob_path(digest)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) <= limit and f"sha256:{hashlib.sha256(data).hexdigest()}" == digest:
+        return data
+    discard(digest)
+    return None
+
+
+def discard(digest: str) -> None:
+    """Remove a cached blob found damaged: the cache must not hand it out again."""
+    blob_path(digest).unlink(missing_ok=True)
+
+
+def _remove_orphans(path: Path) -> None:
+    """Partial downloads of ``path`` left by processes killed mid-pull. Called under its lock, so
+    no live process is writing one; each would stay for good (the next is named by its own pid)."""
+    for orphan in path.parent.glob(f".tmp-{path.name}-*"):
+        orphan.unlink(missing_ok=True)
+
+
 def put_bytes(digest: str, data: bytes) -> Path:
     """Store ``data`` (already checked against ``digest`` by the caller or here)."""
     if f"sha256:{hashlib.sha256(data).hexdigest()}" != digest:
@@ -61,6 +88,7 @@ def fetch(digest: str, size: int | None, open_stream: Callable[[], IO[bytes]],
     with FileLock(str(path.with_name(f"{path.name}.lock"))):
         if path.is_file():
             return path, False  # another process pulled it while we waited
+        _remove_orphans(path)
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
         try:
             h = hashlib.sha256()
@@ -73,6 +101,8 @@ def fetch(digest: str, size: int | None, open_stream: Callable[[], IO[bytes]],
                     on_bytes(len(chunk))
                     if size is not None and written > size:
                         break  # a registry sending more than the manifest says is not to be trusted
+            if size is not None and written < size:  # a dropped connection, not a corrupt blob
+                raise ConnectionError(f"the connection ended after {written} of its {size} bytes")
             if f"sha256:{h.hexdigest()}" != digest or (size is not None and written != size):
                 raise DigestMismatch(f"{digest}: got {written} bytes hashing to sha256:{h.hexdigest()[:12]}")
             os.replace(tmp, path)

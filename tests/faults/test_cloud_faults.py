@@ -1,0 +1,48 @@
+"""The smol backend against a loopback smol cloud that fails mid-create: connections that close
+with no answer, before the operation was done ("drop") or after it ("lost": the machine exists
+and the client never heard of it).
+
+Each run retries or errors clearly; afterwards the cloud holds no machine of the run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.smolcloud.harness import LoopbackCloud
+
+pytest.importorskip("smol")
+SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
+
+
+# (5xx answers to a branch are tests/test_smol_cloud_plugin.py's; a dropped connection
+# is the SDK's to retry or fail, and a lost answer left the machine on the cloud until its TTL.)
+@pytest.mark.parametrize("fault", ["create:1:503", "create:1:drop", "create:1:lost", "branch:1:drop", "branch:1:lost"])
+def test_the_cloud_failing_mid_create(pytester: pytest.Pytester, tmp_path: Path, smol_state: Path,
+                                      monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    server = LoopbackCloud("--fail", fault, state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        pytester.makepyfile("""
+            def test_one(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+
+            def test_two(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL)
+        fired = server.admin("faults")["fired"]
+        assert [f["operation"] for f in fired] == [fault.split(":")[0]], fired
+        outcomes = result.parseoutcomes()
+        assert outcomes.get("passed", 0) + outcomes.get("error", 0) + outcomes.get("errors", 0) == 2, outcomes
+        assert "INTERNALERROR" not in result.stdout.str()
+        assert server.wait_for_no_machines() == [], f"{fault}: machines left on the cloud"
+        # the next run, with the fault spent, is whole
+        pytester.runpytest_subprocess(*SMOL).assert_outcomes(passed=2)
+        assert server.wait_for_no_machines() == []
+    finally:
+        status, err = server.stop()
+    assert status == 0, err
