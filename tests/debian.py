@@ -21,7 +21,9 @@ MIRROR = "http://deb.debian.org/debian"
 
 def cache_root() -> Path:
     # Not XDG_CACHE_HOME: fixtures point that at a per-session dir, and this tree is worth keeping.
-    return Path(os.path.expanduser("~")) / ".cache" / "pytest-smolvm-tests"
+    # No "smolvm" in the path: debootstrap mounts /proc in its target while it builds, and the leak
+    # checks of tests running beside it read every mount whose line names smolvm as a leaked guest's.
+    return Path(os.path.expanduser("~")) / ".cache" / "psvm-test-baselines"
 
 
 def debian_rootfs() -> Path:
