@@ -104,6 +104,13 @@ class _FirstTest:
         if self.run.plan is not None:
             self.run.install_signals()  # guests exist now: SIGTERM/SIGHUP must reach sessionfinish
 
+    def pytest_runtest_logreport(self) -> None:
+        # The first tests start before any worker has asked for the plan; their setup reports
+        # come after it: without this, a SIGTERM during the first tests killed the controller
+        # outright (exit -15, nothing reaped).
+        if self.run.plan is not None:
+            self.run.install_signals()
+
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
