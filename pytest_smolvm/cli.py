@@ -25,7 +25,8 @@ def _ls(args: argparse.Namespace) -> int:
     print(f"{'NAME':<32} {'BACKEND':<10} {'STATE':<8} {'OWNER':<14} {'AGE':>7}  TEST")
     now = time.time()
     for r in rows:
-        state = "kept" if r.kept else "live" if r.owner_alive else "orphan"
+        state = ("kept" if r.kept else "elsewhere" if r.here is False else "unknown" if r.here is None
+                 else "live" if r.owner_alive else "orphan")
         owner = f"{r.worker}/{r.owner_pid}"
         print(f"{r.name:<32} {r.backend:<10} {state:<8} {owner:<14} {now - r.created_at:>6.0f}s  {r.test_id}")
     return 0
@@ -45,7 +46,10 @@ def _reap(args: argparse.Namespace) -> int:
         print(f"removed {name}")
     for name, why in report.failed:
         print(f"could not remove {name}: {why}", file=sys.stderr)
-    if not report.removed and not report.failed:
+    left = report.left_line()
+    if left is not None:
+        print(left)
+    if not report.removed and not report.failed and left is None:
         print("nothing to reap")
     live = [r.name for r in registry.records() if not r.kept and r.owner_alive
             and (names is None or r.name in names)]

@@ -48,6 +48,12 @@ class Limits:
     max_timeout: float = 2_147_483.0
     destroy_all_attempts: float = 60.0  # one guest's destroy, retries included; then the reaper takes over
     destroy_one_namespace_guest: float = 10.0  # a namespace guest's init to exit once killed
+    # At session end, for creates cut off by Ctrl-C or a test timeout and destroys still under
+    # way, all together (signals held meanwhile); what is left then is the reaper's.
+    close_wait: float = 120.0
+    exec_output_drain: float = 1.0  # after a command exits, reading what it left in its pipes
+    plan_service_read: float = 10.0  # a worker's request to the controller, whole, from connect
+    plan_service_connections: int = 16  # requests the controller serves at once (more wait their turn)
     guest_file_op: float = 900.0  # one file operation in a namespace guest (a FIFO, a stalled helper)
     smol_plumbing: float = 600.0  # mkdir/tar/rm for a smol file transfer: big trees, but never a hang
     smol_exec_cancel_grace: float = 30.0  # past a command's timeout, before the host kills the call

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.session.background import Ahead, Bounded
+from pytest_smolvm.session.background import Ahead, Bounded, Teardown
 from pytest_smolvm.session.pool import READY_TEST_ID
 
 CORES = len(os.sched_getaffinity(0))
@@ -243,3 +243,25 @@ def test_a_bounded_call_past_its_bound_is_left_to_its_thread_and_the_next_gets_a
     assert finished and ident != stuck_thread[0].ident  # not queued behind the stuck call
     release.set()
     assert _wait_until(lambda: not stuck_thread[0].is_alive())  # and the stuck thread ends once free
+
+
+def test_close_waits_a_bounded_time_for_a_create_and_a_destroy_that_hang() -> None:
+    """close() holds Ctrl-C while it waits, so each wait has a bound; what overruns it is still
+    discarded (or destroyed) by its own thread once it ends."""
+    release = threading.Event()
+    discarded: list[str] = []
+    ahead: Ahead[str] = Ahead(discarded.append)
+    ahead.start("key", lambda: release.wait(30) and "late guest")  # type: ignore[arg-type, return-value]
+    teardown: Teardown[str] = Teardown(lambda item: None if release.wait(30) else "hung", str)
+    teardown.submit("stuck guest")
+    began = time.monotonic()
+    ahead.cancel(0.3)
+    left = teardown.drain(0.3)
+    assert time.monotonic() - began < 5
+    assert left == ["stuck guest"] and discarded == []
+    release.set()
+    assert teardown.drain(10) == []
+    deadline = time.monotonic() + 10
+    while not discarded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert discarded == ["late guest"]  # made after the bound, discarded by the thread that made it

@@ -65,7 +65,10 @@ def test_signal_to_the_whole_xdist_session(pytester: pytest.Pytester, smol_state
     wait_for(started / "gw1")
     os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C does: controller and workers at once
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode != 0, out
+    # Interrupted, as a Ctrl-C of a serial run is: not an INTERNALERROR (also non-zero), and
+    # smol_state checks that nothing was left.
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "INTERNALERROR" not in out, out
 
 
 def test_second_ctrl_c_still_finishes_destroying(pytester: pytest.Pytester, smol_state: Path) -> None:
@@ -163,9 +166,8 @@ def test_hostile_guests_do_not_take_the_host_down(pytester: pytest.Pytester, smo
 
         def test_prints_a_gigabyte(smol_vm):
             r = smol_vm.exec("head -c 1073741824 /dev/zero | tr '\\\\0' x", timeout=120)
-            assert r.exit_code == 0
-            assert "bytes of output truncated]" in r.stdout
-            assert len(r.stdout) < 20 << 20
+            assert r.exit_code == 0 and r.truncated == ("stdout",)
+            assert r.stdout == "x" * (16 << 20)  # the limit, all of it the guest's own bytes
 
         def test_after_them_all(smol_vm):
             assert smol_vm.exec("echo fine").stdout == "fine\\n"

@@ -390,6 +390,28 @@ def test_keep_failed_keeps_only_failed_guests(pytester: pytest.Pytester, smol_st
     assert f"removed {record['name']}" in cli("reap", "--kept").stdout
 
 
+def test_a_guest_that_cannot_be_kept_does_not_strand_the_others(pytester: pytest.Pytester, smol_state: Path,
+                                                                cli) -> None:
+    pytester.makepyfile(f"""
+        import json, os, signal
+        from pathlib import Path
+
+        def test_two(smol_vm_factory):
+            first = smol_vm_factory()
+            second = smol_vm_factory()
+            record = json.loads(Path({str(smol_state)!r}, "registry", second.name + ".json").read_text())
+            os.kill(record["data"]["pid"], signal.SIGKILL)  # our own guest's init: its keep must fail
+            Path("names").write_text(first.name + " " + second.name)
+    """)
+    result = pytester.runpytest_subprocess("--smol-keep=always")
+    result.assert_outcomes(passed=1)
+    first, second = (pytester.path / "names").read_text().split()
+    result.stdout.fnmatch_lines([f"*guest {second} could not be kept*it was destroyed instead*"])
+    records = {p.stem: json.loads(p.read_text()) for p in (smol_state / "registry").glob("*.json")}
+    assert list(records) == [first] and records[first]["kept"]  # kept, not destroyed with the one that failed
+    assert f"removed {first}" in cli("reap", "--kept").stdout
+
+
 def test_two_workers_never_see_each_other(pytester: pytest.Pytester, smol_state: Path) -> None:
     barrier = pytester.mkdir("barrier")
     pytester.makepyfile(f"""

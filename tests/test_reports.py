@@ -155,7 +155,10 @@ def test_size_caps_leave_a_visible_marker(pytester: pytest.Pytester, smol_state:
     assert "command-0" in (test_dir / "transcript.txt").read_text()  # the file has it all
     assert (test_dir / "files" / "small").stat().st_size == 2000
     assert not (test_dir / "files" / "big").exists()
-    assert "/big: dropped: 50000 bytes exceed" in (test_dir / "notes.txt").read_text()
+    # Refused while it arrived, at what was left of the budget: never copied whole, then measured.
+    notes = (test_dir / "notes.txt").read_text()
+    assert "/big: not copied (8000 bytes were left of the 10000-byte budget per test)" in notes, notes
+    assert "more than 8000 bytes" in notes, notes
 
 
 @pytest.mark.skipif(not _has_module("allure_pytest"), reason="allure-pytest is not installed")
@@ -169,3 +172,27 @@ def test_allure_gets_an_attachment(pytester: pytest.Pytester, smol_state: Path) 
     sources = [src for name, src in names.items() if name.startswith("smolvm guest smol-")]
     assert sources, failed
     assert "transcript-marker-7f3a" in (pytester.path / "allure" / sources[0]).read_text()
+
+
+def test_a_cut_stream_is_pure_data_and_every_sink_says_it_was_cut(pytester: pytest.Pytester,
+                                                                   smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import json
+        import pytest
+
+        @pytest.mark.smol(output_limit=1024)
+        def test_cut(smol_vm):
+            r = smol_vm.exec("i=0; while [ $i -lt 500 ]; do printf '%09d\\\\n' $i; i=$((i+1)); done")
+            # 5,000 bytes written, 1,024 kept: the first 512 and the last 512, and nothing of ours.
+            lines = [f"{i:09d}\\n" for i in range(500)]
+            written = "".join(lines)
+            assert r.stdout == written[:512] + written[-512:] and r.truncated == ("stdout",)
+            assert "pytest-smolvm" not in r.stdout
+            open("pure", "w").close()
+            assert False, "show the transcript"
+    """)
+    result = pytester.runpytest_subprocess("--junitxml=junit.xml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*--- stdout (tail; the stream was cut at the output limit: its middle is not kept)*"])
+    assert (pytester.path / "pure").exists(), result.stdout.str()
+    assert "the stream was cut at the output limit" in (pytester.path / "junit.xml").read_text()

@@ -14,13 +14,13 @@ import asyncio
 import functools
 import itertools
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.handle.base import GuestHandle
 from pytest_smolvm.handle.result import ExecResult
+from pytest_smolvm.host.signals import start_thread
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -138,7 +138,7 @@ class _Loop:
             else:
                 self.call_soon(settle, result, None)
 
-        threading.Thread(target=target, name="smol-vm-aio", daemon=True).start()
+        start_thread(target, name="smol-vm-aio")  # signals stay with the main thread
         try:
             return await future
         except asyncio.CancelledError:

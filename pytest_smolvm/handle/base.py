@@ -115,7 +115,7 @@ class GuestHandle:
                             raw.timed_out, raw.stdout, raw.stderr, raw.truncated)
         self.transcript.append(TranscriptEntry(shown, result.exit_code, result.duration,
                                                _tail(result.stdout), _tail(result.stderr), result.timed_out,
-                                               error="cancelled" if raw.cancelled else ""))
+                                               error="cancelled" if raw.cancelled else "", truncated=raw.truncated))
         return result.check() if check else result
 
     # ------------------------------------------------------------------ files

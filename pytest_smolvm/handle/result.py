@@ -11,6 +11,11 @@ from pytest_smolvm.untrusted.inert import inert
 TRANSCRIPT_TAIL = 2000
 
 
+# The data holds only bytes the guest wrote (a cut stream is its head and its tail, joined):
+# where people read it, the cut is said beside it.
+_CUT = "; the stream was cut at the output limit: its middle is not kept"
+
+
 def _tail(text: str, limit: int = TRANSCRIPT_TAIL) -> str:
     return text if len(text) <= limit else f"[... {len(text) - limit} chars]\n" + text[-limit:]
 
@@ -50,7 +55,8 @@ class ExecResult:
             what = "timed out" if self.timed_out else f"exited {self.exit_code}"
             raise ExecError(  # its message reaches the terminal and JUnit: the guest's text made inert
                 f"guest command {what}: {self.command}\n"
-                f"--- stdout (tail)\n{inert(_tail(self.stdout))}\n--- stderr (tail)\n{inert(_tail(self.stderr))}",
+                f"--- stdout (tail{_CUT if 'stdout' in self.truncated else ''})\n{inert(_tail(self.stdout))}\n"
+                f"--- stderr (tail{_CUT if 'stderr' in self.truncated else ''})\n{inert(_tail(self.stderr))}",
                 self)
         return self
 
@@ -64,6 +70,7 @@ class TranscriptEntry:
     stderr: str = ""
     timed_out: bool = False
     error: str = ""
+    truncated: tuple[str, ...] = ()
 
     def render(self) -> str:
         status = ("TIMED OUT" if self.timed_out else f"exit {self.exit_code}"
@@ -71,7 +78,7 @@ class TranscriptEntry:
         lines = [f"$ {self.command}    [{status}, {self.duration:.3f}s]"]
         for label, text in (("stdout", self.stdout), ("stderr", self.stderr)):
             if text:
-                lines.append(f"  --- {label} (tail)")
+                lines.append(f"  --- {label} (tail{_CUT if label in self.truncated else ''})")
                 lines.extend("  " + line for line in _tail(text).splitlines())
         return "\n".join(lines)
 

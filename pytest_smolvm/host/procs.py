@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import subprocess
@@ -74,17 +75,31 @@ def wait_gone(pid: int, timeout: float) -> bool:
             os.close(pidfd)
 
 
-def host_identity() -> str:
-    """This host (and boot): pids in labels mean something only where this matches.
+@functools.lru_cache(maxsize=1)
+def host_facts() -> tuple[str, str, str]:
+    """(hostname, boot id, pid namespace) of this process: where its pids mean something.
 
-    The hostname tells containers sharing a kernel apart; the boot id tells a rebooted host
-    (whose pids start over) from the one that wrote the label.
+    A pid and a start time identify a process only in the pid namespace of the kernel boot
+    that gave them: the boot id tells a rebooted host (pids start over) and other machines
+    apart, the pid namespace (its inode) containers sharing one kernel, and the hostname
+    names the host for people. Read once per process: none of them changes under it.
     """
     import socket
 
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()[:8]
+            boot = f.read().strip()
     except OSError:
         boot = "noboot"
-    return f"{socket.gethostname()[:40]}-{boot}"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "nopidns"
+    return socket.gethostname(), boot, pidns
+
+
+def host_identity() -> str:
+    """This host, boot and pid namespace in one label value: pids in labels mean something
+    only where this matches (see :func:`host_facts`)."""
+    host, boot, pidns = host_facts()
+    return f"{host[:40]}-{boot[:8]}-{pidns}"

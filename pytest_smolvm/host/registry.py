@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_smolvm.host.paths import runtime_dir, state_dir
-from pytest_smolvm.host.procs import is_alive, process_start_time
+from pytest_smolvm.host.procs import host_facts, is_alive, process_start_time
 
 # Backends whose guests are processes and mounts of this host only: their records live in the
 # runtime dir (a tmpfs, gone at reboot with the guests themselves); every other backend's, in
@@ -49,21 +49,36 @@ class Record:
     created_at: float = field(default_factory=time.time)
     kept: bool = False
     data: dict[str, Any] = field(default_factory=dict)  # the backend's registry_data()
+    # Where owner_pid means something (procs.host_facts); None in records of versions before them.
+    owner_host: str | None = None
+    owner_boot: str | None = None
+    owner_pidns: str | None = None
 
     @classmethod
     def for_this_process(cls, name: str, backend: str, run_id: str, worker: str, test_id: str) -> Record:
         pid = os.getpid()
         if _OWN_START.get("pid") != pid:  # once per process (a fork is another process)
             _OWN_START.update(pid=pid, start=process_start_time(pid))
-        return cls(name, backend, run_id, worker, pid, _OWN_START["start"], test_id)
+        host, boot, pidns = host_facts()
+        return cls(name, backend, run_id, worker, pid, _OWN_START["start"], test_id,
+                   owner_host=host, owner_boot=boot, owner_pidns=pidns)
 
     @property
     def path(self) -> Path:
         return registry_dir(self.backend) / f"{self.name}.json"
 
     @property
+    def here(self) -> bool | None:
+        """Whether this host, boot and pid namespace wrote the record; None when it does not
+        say (a record of an older version)."""
+        if self.owner_boot is None or self.owner_pidns is None:
+            return None
+        return (self.owner_host, self.owner_boot, self.owner_pidns) == host_facts()
+
+    @property
     def owner_alive(self) -> bool:
-        return is_alive(self.owner_pid, self.owner_start)
+        """Whether the owner may still run: another host's is taken to (its pid means nothing here)."""
+        return self.here is False or is_alive(self.owner_pid, self.owner_start)
 
     def save(self) -> None:
         """Write atomically: a reader sees the old record or the new one, never half of one.
@@ -125,6 +140,16 @@ def records() -> Iterator[Record]:
 class ReapReport:
     removed: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # records it could not judge from this host
+
+    def left_line(self) -> str | None:
+        """One line on what was left alone, for the terminal summary or the console."""
+        if not self.left:
+            return None
+        shown = ", ".join(self.left[:5]) + (f" and {len(self.left) - 5} more" if len(self.left) > 5 else "")
+        return (f"reaper left {len(self.left)} guest record(s) it cannot judge from this host (another host, "
+                f"boot or pid namespace wrote them, or an older version without host fields): {shown}; "
+                "'pytest-smolvm reap NAME' on the host that made one removes it")
 
 
 def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) -> ReapReport:
@@ -136,6 +161,8 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
     sweep_partial_saves()
     for record in list(records()):
         if not select(record):
+            if record.here is not True and not record.kept:
+                report.left.append(record.name)
             continue
         try:
             destroy(record)
@@ -164,6 +191,18 @@ def sweep_partial_saves() -> None:
                     path.unlink()
 
 
-def orphaned(record: Record, *, include_kept: bool = False) -> bool:
-    """A guest whose owner is gone (pid dead, or reused by another process)."""
-    return (include_kept or not record.kept) and not record.owner_alive
+def orphaned(record: Record, *, include_kept: bool = False, include_unknown_host: bool = False) -> bool:
+    """A guest whose owner is provably gone: recorded by this host, boot and pid namespace,
+    and that pid is dead or reused by another process.
+
+    A record from another host is never this host's to judge, however dead its pid looks
+    here (a shared state dir: NFS, a CI volume in several containers). A record without host
+    fields (written by an older version) is judged only with ``include_unknown_host``: when a
+    person names it to ``pytest-smolvm reap`` on the host that made it.
+    """
+    if record.kept and not include_kept:
+        return False
+    here = record.here
+    if here is False or (here is None and not include_unknown_host):
+        return False
+    return not is_alive(record.owner_pid, record.owner_start)

@@ -280,19 +280,22 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
         # Whatever is there came from an earlier path of this test (a parent or a child of this
         # one): once this copy has arrived beside it, a link there is removed (never followed)
         # and a tree replaced; a copy that fails leaves the earlier one as it was.
+        # What is left of the budget bounds the copy while it arrives: a guest's 4 GiB tree
+        # never reaches the host's disk to be measured afterwards.
         if dest.is_symlink() or dest.exists():
             fresh = dest.with_name(f".{dest.name}.smolvm-collect")
             _remove(fresh)
             try:
-                live.vm.copy_out("/" + relative, fresh)
+                live.vm.copy_out("/" + relative, fresh, max_bytes=budget)
                 _remove(dest)
                 os.replace(fresh, dest)
             finally:
                 _remove(fresh)
         else:
-            live.vm.copy_out("/" + relative, dest)
+            live.vm.copy_out("/" + relative, dest, max_bytes=budget)
     except Exception as exc:
-        notes.append(f"{live.vm.name}:{path}: not copied: {type(exc).__name__}: {exc}")
+        notes.append(f"{live.vm.name}:{path}: not copied ({budget} bytes were left of the "
+                     f"{limits.LIMITS.artifacts_bytes}-byte budget per test): {type(exc).__name__}: {exc}")
         return budget
     size = _tree_size(dest)
     if size > budget:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
-from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, UsageError
+from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.evals import episodes
 from pytest_smolvm.host import progress
 from pytest_smolvm.plugin import artifacts, hookspecs, reporting, xdist
@@ -106,6 +107,13 @@ class _FirstTest:
     def pytest_runtest_logstart(self) -> None:
         if self.run.plan is not None:
             self.run.install_signals()  # guests exist now: SIGTERM/SIGHUP must reach sessionfinish
+
+    def pytest_runtest_logreport(self) -> None:
+        # The first tests start before any worker has asked for the plan; their setup reports
+        # come after it: without this, a SIGTERM during the first tests killed the controller
+        # outright (exit -15, nothing reaped).
+        if self.run.plan is not None:
+            self.run.install_signals()
 
 
 @pytest.hookimpl(trylast=True)
@@ -236,11 +244,16 @@ def smol_vm_factory(request: pytest.FixtureRequest,
             pool = run.pool
             keep = run.settings.keep
             artifacts.before_destroy(item, made)  # files to save need the guests alive
+            keeping = keep == "always" or (keep == "failed" and _test_failed(item))
             for live in reversed(made):
-                if keep == "always" or (keep == "failed" and _test_failed(item)):
-                    pool.keep(live)
-                else:
+                if not keeping:
                     pool.release(live)
+                    continue
+                try:
+                    pool.keep(live)
+                except Exception as exc:  # this guest is destroyed instead; the others are still kept
+                    warnings.warn(SmolVMWarning(f"guest {live.vm.name} could not be kept ({type(exc).__name__}: "
+                                                f"{exc}); it was destroyed instead"), stacklevel=1)
             made.clear()
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
+
+from pytest_smolvm.host.signals import start_thread
 
 T = TypeVar("T")
 
@@ -26,16 +29,18 @@ class Teardown(Generic[T]):
     def __init__(self, destroy: Callable[[T], str | None], describe: Callable[[T], str]) -> None:
         self._destroy = destroy
         self._describe = describe
-        self._queue: queue.Queue[T] = queue.Queue()
+        self._queue: queue.SimpleQueue[T] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: list[T] = []  # handed off, not yet destroyed (oldest first)
         self.failures: list[tuple[str, str]] = []  # (what, problem)
 
     def submit(self, item: T) -> None:
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="smolvm-teardown", daemon=True)
-                self._thread.start()
+                self._thread = start_thread(self._work, name="smolvm-teardown")
+            self._pending.append(item)
         self._queue.put(item)
 
     def _work(self) -> None:
@@ -47,11 +52,18 @@ class Teardown(Generic[T]):
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is not None:
                 self.failures.append((self._describe(item), problem))
-            self._queue.task_done()
+            with self._idle:
+                self._pending.remove(item)
+                self._idle.notify_all()
 
-    def drain(self) -> None:
-        """Wait until everything handed off so far is destroyed (each destroy is time-bounded)."""
-        self._queue.join()
+    def drain(self, timeout: float) -> list[T]:
+        """Wait, at most ``timeout`` seconds, until everything handed off so far is destroyed;
+        returns what is still waiting (left to the reaper: the records stay)."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            return list(self._pending)
 
     def take_failures(self) -> list[tuple[str, str]]:
         taken, self.failures = self.failures, []
@@ -59,25 +71,41 @@ class Teardown(Generic[T]):
 
 
 class _Order(Generic[T]):
-    """One item to make ahead: made by the Ahead's thread, waited for by whoever takes it."""
+    """One item to make ahead: made by the Ahead's thread, waited for by whoever takes it.
 
-    def __init__(self, make: Callable[[], T]) -> None:
+    An order nobody waits for any more (:meth:`abandon`) is discarded by the thread that
+    makes it, when it is made: a create that overran a bound is still destroyed.
+    """
+
+    def __init__(self, make: Callable[[], T], discard: Callable[[T], None]) -> None:
         self.make = make
+        self.discard = discard
         self.made: T | None = None
         self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._abandoned = False
 
     def fulfil(self) -> None:
         try:
-            self.made = self.make()
+            made = self.make()
         except BaseException:
-            pass
-        finally:
+            made = None
+        with self._lock:
+            abandoned, self.made = self._abandoned, made
             self.done.set()
+        if abandoned and made is not None:
+            self.discard(made)
 
-    def result(self) -> T | None:
-        self.done.wait()
-        made, self.made = self.made, None
-        return made
+    def result(self, timeout: float | None = None) -> T | None:
+        """The item made (None if its making failed); None too past ``timeout``, and then
+        the order is abandoned: its item is discarded when it is made."""
+        self.done.wait(timeout)
+        with self._lock:
+            if not self.done.is_set():
+                self._abandoned = True
+                return None
+            made, self.made = self.made, None
+            return made
 
 
 class Ahead(Generic[T]):
@@ -104,11 +132,9 @@ class Ahead(Generic[T]):
             self.cancel()
             self._key = key
         while len(self._threads) < self.depth:
-            thread = threading.Thread(target=self._work, name="smolvm-ahead", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._threads.append(start_thread(self._work, name="smolvm-ahead"))
         while len(self._orders) < self.depth:
-            order = _Order(make)
+            order = _Order(make, self._discard)
             self._orders.append(order)
             self._queue.put(order)
 
@@ -124,11 +150,13 @@ class Ahead(Generic[T]):
             return None
         return self._orders.pop(0).result()
 
-    def cancel(self) -> None:
-        """Wait for the items ordered, if any, and discard them."""
+    def cancel(self, timeout: float | None = None) -> None:
+        """Wait for the items ordered, if any, and discard them; past ``timeout`` seconds (all
+        of them together) an item still in the making is discarded by its thread once made."""
         orders, self._orders = self._orders, []
+        deadline = None if timeout is None else time.monotonic() + timeout
         for order in orders:
-            made = order.result()
+            made = order.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if made is not None:
                 self._discard(made)
 
@@ -152,7 +180,7 @@ class Bounded:
         what it raised within the bound is raised here."""
         if self._jobs is None:
             jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(jobs,), name=self._name, daemon=True).start()
+            start_thread(_serve, name=self._name, args=(jobs,))
             self._jobs = jobs
         job = _Job(call)
         self._jobs.put(job)
@@ -171,6 +199,9 @@ class _Job:
         self.result: Any = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.late: Callable[[Any, BaseException | None], None] | None = None  # Shielded: caller gone
+        self.finish: Callable[[_Job], None] | None = None
+        self.lock = threading.Lock()  # done and finish change together
 
 
 def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
@@ -179,5 +210,70 @@ def _serve(jobs: queue.SimpleQueue[_Job | None]) -> None:
             job.result = job.call()
         except BaseException as exc:  # the caller's to handle; this thread serves the next call
             job.error = exc
-        finally:
+        with job.lock:
             job.done.set()
+            finish = job.finish
+        if finish is not None:
+            try:
+                finish(job)
+            except BaseException:  # late's own errors are its to report; this thread serves on
+                pass
+
+
+class Shielded:
+    """Runs a call the caller must not abandon halfway, on a kept thread the signals never reach.
+
+    A guest create interrupted in the main thread (Ctrl-C, pytest-timeout's SIGALRM) would be
+    cut off while the backend answers: the guest made but known to nobody. Here the call
+    goes on in its own thread; the interrupt still reaches the caller at once, and whatever
+    the call returns or raises later goes to ``late``, in that thread. :meth:`wait` bounds
+    how long an ending process waits for such calls.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._abandoned = 0  # calls whose caller was interrupted, still running
+
+    def run(self, call: Callable[[], T], late: Callable[[T | None, BaseException | None], None]) -> T:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            start_thread(_serve, name=self._name, args=(self._jobs,))
+        job = _Job(call)
+        self._jobs.put(job)
+        try:
+            job.done.wait()
+        except BaseException:
+            with job.lock:
+                job.late = late
+                finished = job.done.is_set()
+                if not finished:
+                    with self._lock:
+                        self._abandoned += 1
+                    job.finish = self._finished
+            if finished:  # it ended as the interrupt came: nobody else will hand it on
+                late(job.result, job.error)
+            raise
+        if job.error is not None:
+            raise job.error
+        result: T = job.result
+        return result
+
+    def _finished(self, job: _Job) -> None:
+        try:
+            assert job.late is not None
+            job.late(job.result, job.error)
+        finally:
+            with self._idle:
+                self._abandoned -= 1
+                self._idle.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, for interrupted calls to end; False if some did not."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._abandoned and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            return not self._abandoned

@@ -3,6 +3,11 @@
 It starts when the controller configures its first worker, so it must cost nothing: standard
 library only, a listening socket and one daemon thread. What a request means (plan.py, with
 backends and baselines behind it) is imported by ``answer`` only when a worker first asks.
+
+Any local process can connect to 127.0.0.1, so nobody's connection may cost the controller
+more than a bounded share: at most ``plan_service_connections`` are served at once (the rest
+wait in the listen backlog), and a request must arrive whole within ``plan_service_read``
+seconds of the connection, or it is dropped unanswered.
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ import json
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from pytest_smolvm import limits
+from pytest_smolvm.host.signals import start_thread
 
 MAX_REQUEST = 1 << 20
 
@@ -26,10 +35,11 @@ class PlanService:
     def __init__(self, answer: Answer) -> None:
         self._answer = answer
         self.secret = secrets.token_hex(16)
+        self._slots = threading.BoundedSemaphore(limits.LIMITS.plan_service_connections)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(64)
-        threading.Thread(target=self._serve, name="smolvm-plan-service", daemon=True).start()
+        start_thread(self._serve, name="smolvm-plan-service")
 
     @property
     def address(self) -> str:
@@ -38,27 +48,36 @@ class PlanService:
 
     def _serve(self) -> None:
         while True:
+            self._slots.acquire()  # a free handler first: past the cap, connections wait in the backlog
             try:
                 conn, _ = self._sock.accept()
             except OSError:
+                self._slots.release()
                 return  # closed
-            threading.Thread(target=self._handle, args=(conn,), name="smolvm-plan-request", daemon=True).start()
+            start_thread(self._handle, name="smolvm-plan-request", args=(conn,))
 
     def _handle(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as requests:
-            try:
-                request = json.loads(requests.readline(MAX_REQUEST))
-            except ValueError:
-                request = {}
-            if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("secret", "")),
-                                                                        self.secret):
-                reply: dict[str, Any] = {"error": "wrong secret", "kind": "provision"}
-            else:
-                reply = self._answer(request)
-            try:
-                conn.sendall(json.dumps(reply).encode() + b"\n")
-            except OSError:
-                pass  # the worker went away; nothing to tell it
+        try:
+            with conn:
+                line = _read_line(conn, time.monotonic() + limits.LIMITS.plan_service_read)
+                if line is None:
+                    return  # silent, slow or oversized: no answer, the slot is free again
+                try:
+                    request = json.loads(line)
+                except ValueError:
+                    request = {}
+                if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("secret", "")),
+                                                                            self.secret):
+                    reply: dict[str, Any] = {"error": "wrong secret", "kind": "provision"}
+                else:
+                    reply = self._answer(request)
+                conn.settimeout(limits.LIMITS.plan_service_read)  # a worker that never reads its reply
+                try:
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass  # the worker went away; nothing to tell it
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         try:
@@ -66,3 +85,21 @@ class PlanService:
         except OSError:
             pass
         self._sock.close()
+
+
+def _read_line(conn: socket.socket, deadline: float) -> bytes | None:
+    """One request line, whole by ``deadline`` and at most MAX_REQUEST bytes; else None."""
+    received = bytearray()
+    while b"\n" not in received:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(received) > MAX_REQUEST:
+            return None
+        conn.settimeout(left)
+        try:
+            data = conn.recv(65536)
+        except OSError:  # the deadline passed (socket.timeout is an OSError), or the peer reset
+            return None
+        if not data:
+            return None
+        received += data
+    return bytes(received[:received.index(b"\n")])

@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import itertools
 import os
-import signal
 import threading
 import time
 import warnings
@@ -33,8 +32,9 @@ from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.errors import BaselineSetupError, GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import procs, registry
+from pytest_smolvm.host.signals import signals_deferred
 from pytest_smolvm.session import capacity
-from pytest_smolvm.session.background import Ahead, Bounded, Teardown
+from pytest_smolvm.session.background import Ahead, Bounded, Shielded, Teardown
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
 from pytest_smolvm.session.warm import BaselineSetup
@@ -43,26 +43,8 @@ from pytest_smolvm.untrusted.inert import inert
 DESTROY_ATTEMPTS = 2
 PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
-DEFERRED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 READY_TEST_ID = "(made ahead for the next test)"
 AHEAD_DEPTH = 2  # guests made ahead at once where there are this many cores per worker
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Let a destroy finish before a Ctrl-C (or SIGTERM/SIGHUP) lands; it is delivered right after.
-
-    A second Ctrl-C during teardown must not cut a destroy in half. The destroy itself is
-    bounded (``LIMITS.destroy_all_attempts``), so the interrupt is late by that much at most.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclass
@@ -94,6 +76,7 @@ class GuestPool:
         self.destroy_timeout = limits.LIMITS.destroy_all_attempts
         self._teardown: Teardown[LiveGuest] = Teardown(self._destroy_now, lambda live: live.vm.name)
         self._ahead: Ahead[LiveGuest] = Ahead(self.release)
+        self._creates = Shielded("smolvm-create")  # the main thread's creates: see _create_once
         self._make_ahead: bool | None = None  # decided on the first guest
 
     # ------------------------------------------------------------------ plan and backend
@@ -252,38 +235,61 @@ class GuestPool:
         if reserve is not None:
             record.data = reserve(name)
         record.save()
+        vm_spec = VMSpec(
+            name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
+            network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
+            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())})
+
+        def late(guest: Guest | None, error: BaseException | None) -> None:
+            # The caller was interrupted (Ctrl-C, a test timeout) while the backend made the
+            # guest: it is still recorded; destroy it as any other, or forget a failed create.
+            if guest is None:
+                record.remove()
+            else:
+                self._teardown.submit(self._adopt(record, guest, spec, base))
+
         try:
-            guest = backend.create(VMSpec(
-                name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
-                network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-                labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker,
-                        "owner_pid": str(os.getpid())}))
+            if threading.current_thread() is threading.main_thread():
+                guest = self._creates.run(lambda: backend.create(vm_spec), late)
+            else:
+                guest = backend.create(vm_spec)  # no signal handler runs here: nothing interrupts it
         except UsageError:
             record.remove()
             raise
-        except BaseException as exc:
+        except Exception as exc:
             record.remove()
-            if isinstance(exc, Exception) and not isinstance(exc, ProvisionError):
+            if not isinstance(exc, ProvisionError):
                 raise ProvisionError(f"{type(exc).__name__}: {exc}") from exc
             raise
+        live = self._adopt(record, guest, spec, base)
+        self.live[name] = live
+        return live
+
+    def _adopt(self, record: registry.Record, guest: Guest, spec: MarkerSpec, base: Baseline) -> LiveGuest:
         record.data = guest.registry_data()
         record.save()
+        plan = self.plan
         vm = VM(guest, default_timeout=spec.timeout, backend=plan.backend, isolation=plan.isolation,
                 baseline=base.reference, digest=base.digest,
                 user=spec.user if spec.user is not None else self.settings.user,
                 output_limit=spec.output_limit or self.settings.output_limit)
-        live = LiveGuest(vm, record, guest)
-        self.live[name] = live
-        return live
+        return LiveGuest(vm, record, guest)
 
     def keep(self, live: LiveGuest) -> None:
+        """Leave ``live`` running for ``pytest-smolvm shell``; if that fails, destroy it (in the
+        background) and raise: a kept guest nobody can enter is a leak."""
+        self._note_egress(live)
+        try:
+            live.guest.keep()
+            live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
+            live.record.kept = True
+            live.record.save()
+        except BaseException:
+            self.release(live)
+            raise
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
-        self._note_egress(live)
-        live.guest.keep()
-        live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
-        live.record.kept = True
-        live.record.save()
+            live.slot = None
         self.live.pop(live.vm.name, None)
 
     def release(self, live: LiveGuest) -> None:
@@ -341,20 +347,29 @@ class GuestPool:
 
         Returns the problems met (never raises): the caller turns them into a warning.
         """
+        problems: list[str] = []
+        wait = limits.LIMITS.close_wait
+        deadline = time.monotonic() + wait
         with signals_deferred():  # a second Ctrl-C must not cut the last destroys in half
-            self._ahead.cancel()
-            self._teardown.drain()
-        for live in list(self.live.values()):
-            self.destroy(live)
+            # Every wait here is bounded, the signals being held: past close_wait what is still
+            # under way is left to the reaper (its records stay).
+            self._ahead.cancel(wait)
+            if not self._creates.wait(max(0.0, deadline - time.monotonic())):
+                problems.append(f"an interrupted create did not end within {wait:g}s: its record stays for the reaper")
+            for live in self._teardown.drain(max(0.0, deadline - time.monotonic())):
+                problems.append(f"guest {live.vm.name}: its destroy did not end within {wait:g}s: "
+                                "its record stays for the reaper")
+            for live in list(self.live.values()):
+                self.destroy(live)
         self.warn_teardown_failures()
         backend, self._backend = self._backend, None
         if backend is None or (isinstance(self._plans, Planner) and backend is self._plans.backend):
-            return []  # the planner's backend outlives this pool: the planner closes it
+            return problems  # the planner's backend outlives this pool: the planner closes it
         try:
             backend.close()
         except Exception as exc:
-            return [f"{type(exc).__name__}: {exc}"]
-        return []
+            problems.append(f"{type(exc).__name__}: {exc}")
+        return problems
 
 
 _destroyers = threading.local()  # each thread's background.Bounded for destroys

@@ -20,13 +20,18 @@ def destroy_record(record: registry.Record) -> None:
 
 
 def reap_orphans(*, include_kept: bool = False, names: Mapping[str, object] | None = None) -> registry.ReapReport:
-    """Remove recorded guests whose owner process is gone (``names`` narrows it to those names)."""
+    """Remove recorded guests whose owner process is provably gone (``names`` narrows it to those
+    names, and then a record of an older version, without host fields, counts as this host's:
+    a person named it)."""
     def select(record: registry.Record) -> bool:
         if names is not None and record.name not in names:
             return False
-        return registry.orphaned(record, include_kept=include_kept)
+        return registry.orphaned(record, include_kept=include_kept, include_unknown_host=names is not None)
 
-    return registry.reap(select, destroy_record)
+    report = registry.reap(select, destroy_record)
+    if names is not None:
+        report.left = [name for name in report.left if name in names]
+    return report
 
 
 def reap_dead(backend_cls: type[Backend]) -> registry.ReapReport:

@@ -123,6 +123,9 @@ class SmolRun:
 
             report = reap_orphans()
             problems += [f"{name}: {why}" for name, why in report.failed]
+            left = report.left_line()
+            if left is not None:
+                problems.append(left)
         return problems
 
 

@@ -9,16 +9,20 @@ message. A request too big for one message (argv and env near ARG_MAX) travels a
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import select
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.errors import GuestError, GuestUserError
@@ -271,9 +275,12 @@ class _Call:
         if exit_code is None and error is None:
             raise GuestError(f"guest {self.name} is gone (its init exited)")
         # The command is done: take what it already wrote, but never wait for a
-        # background process that inherited its stdout.
+        # background process that inherited its stdout, nor read for as long as one writes
+        # (a `yes &` refills the pipe as fast as it is read): only what is queued now, and
+        # within a bound.
+        until = time.monotonic() + limits.LIMITS.exec_output_drain
         for fd in list(self.sinks):
-            self._drain(fd, final=True)
+            self._drain_queued(fd, until)
         truncated = tuple(s for s, b in (("stdout", self.stdout), ("stderr", self.stderr)) if b.dropped)
         code = 124 if timed_out else exit_code if exit_code is not None else -1
         return Outcome(code, self.stdout.value(), self.stderr.value(), timed_out, truncated, cancelled, error)
@@ -291,19 +298,30 @@ class _Call:
             os.close(self.in_w)
             self.in_w = -1
 
-    def _drain(self, fd: int, final: bool = False) -> None:
-        while True:
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
+    def _drain(self, fd: int, most: int = 1 << 16) -> int:
+        """One read of up to ``most`` bytes from ``fd`` into its sink; the bytes read (0: none now)."""
+        try:
+            data = os.read(fd, most)
+        except BlockingIOError:
+            return 0
+        if not data:
+            self.poller.unregister(fd)
+            del self.sinks[fd]
+            return 0
+        self.sinks[fd](data)
+        return len(data)
+
+    def _drain_queued(self, fd: int, until: float) -> None:
+        """Read what ``fd`` holds now (at most a pipe's capacity), stopping at ``until``."""
+        try:
+            queued: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:
+            queued = 1 << 20  # the most a pipe holds without CAP_SYS_RESOURCE
+        while queued > 0 and time.monotonic() < until:
+            read = self._drain(fd, min(queued, 1 << 16))
+            if not read:
                 return
-            if not data:
-                self.poller.unregister(fd)
-                del self.sinks[fd]
-                return
-            self.sinks[fd](data)
-            if not final:
-                return
+            queued -= read
 
     def close(self) -> None:
         with self.wake_lock:  # first: a late _wake then finds no pipe, never half of one

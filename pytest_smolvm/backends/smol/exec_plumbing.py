@@ -230,7 +230,7 @@ class ExecPlumbing:
         if dropped or len(data) > limit:
             # Bounded here whatever the in-guest trim reported: a process the command left behind
             # may have grown the file after it.
-            return bounded(data, limit, dropped), True
+            return bounded(data, limit), True
         return data, False
 
     def _sdk_write(self, path: str, data: bytes, mode: int | None) -> None:
