@@ -17,7 +17,7 @@ import pytest
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, UsageError
 from pytest_smolvm.evals import episodes
 from pytest_smolvm.host import progress
-from pytest_smolvm.plugin import artifacts, hookspecs, reporting, xdist
+from pytest_smolvm.plugin import artifacts, concurrency, hookspecs, premade, reporting, xdist
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -73,6 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[WORK_KEY] = glue.work
     episodes.install(config, run)
     artifacts.install(config, run)
+    config.pluginmanager.register(concurrency.ConcurrentRunner(config, run, settings.concurrency), "smolvm-concurrency")
 
 
 class GuestTestCounter:
@@ -188,19 +189,21 @@ def smol_vm_factory(request: pytest.FixtureRequest,
     assert base_spec is not None
     made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
 
+    item.stash[premade.SETUP_KEY] = setup  # the concurrent runner makes the next tests' guests with it
+
     def make(**keywords: Any) -> VM:
         try:
-            spec = base_spec.merged(keywords, "smol_vm_factory")
-            proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
-            item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
-            spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
-            if run.plan is None:  # this process's first guest: the run's one decision happens now
-                deciding = time.monotonic()
-                run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
-                waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
-                item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
-                                        "one-time backend decision (probe, baseline); not counted in its duration")
-            live: LiveGuest | None = run.pool.create(item.nodeid, spec, setup)
+            live: LiveGuest | None = premade.take(item, keywords, setup)  # made before setup, concurrently
+            if live is None:
+                spec = premade.guest_spec(item, base_spec, keywords)
+                if run.plan is None:  # this process's first guest: the run's one decision happens now
+                    deciding = time.monotonic()
+                    run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
+                    waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
+                    item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
+                                            "one-time backend decision (probe, baseline); not counted in its "
+                                            "duration")
+                live = run.pool.create(item.nodeid, spec, setup)
             problem = ""
         except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors
             live, problem = None, str(exc)

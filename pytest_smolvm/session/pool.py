@@ -173,10 +173,12 @@ class GuestPool:
 
     # ------------------------------------------------------------------ guests
 
-    def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None) -> LiveGuest:
+    def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None, *,
+               ahead: bool = True) -> LiveGuest:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
-        Raises ProvisionError (infrastructure) or UsageError (bad spec or settings).
+        ``ahead=False``: start no guest ahead for a next test (concurrent tests make their own
+        at once). Raises ProvisionError (infrastructure) or UsageError (bad spec or settings).
         """
         self.warn_teardown_failures()
         base = self.baseline_for(spec.image)
@@ -194,7 +196,8 @@ class GuestPool:
         else:
             live = self._create_now(test_id, spec, base, started)
         # After this test's own guest, never before: the two would queue on one engine.
-        self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
+        if ahead:
+            self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
         return live
 
     @property
