@@ -104,7 +104,7 @@ def parse_marker(mark: pytest.Mark, where: str) -> tuple[int, int]:
                                     or concurrency <= 0):
         raise ValueError(f"{label}(concurrency={concurrency!r}): expected a positive integer")
     if len(args) > 2 or set(kwargs) - {"n", "seed"}:
-        raise ValueError(f"{label} takes (n, seed=0, concurrency=1), got args={tuple(args)!r} kwargs={kwargs!r}")
+        raise ValueError(f"{label} takes (n, seed=0), got args={tuple(args)!r} kwargs={kwargs!r}")
     names = ["n", "seed"][:len(args)]
     if set(names) & set(kwargs):
         raise ValueError(f"{label}: n or seed given twice")

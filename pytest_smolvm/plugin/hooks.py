@@ -8,6 +8,7 @@ guest (see ``run.py``). A project without guest tests pays for option parsing an
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -114,7 +115,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     problems = config.stash[PROBLEMS_KEY]
     problems += run.finish()
     if xdist.is_worker(config):
-        xdist.report_to_controller(config, problems, progress.finished())
+        xdist.report_to_controller(config, problems, progress.finished(), _admission_peaks())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -134,10 +135,17 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     problems: list[str] = config.stash[PROBLEMS_KEY]
     lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
                                     problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
+    found = xdist.controller(config)
+    lines += reporting.admission_lines(_admission_peaks(), *(found.admission if found is not None else []))
     if lines:
         terminalreporter.section("smolvm")
         for line in lines:
             terminalreporter.line(line)
+
+
+def _admission_peaks() -> dict[str, list[int]]:
+    admission = sys.modules.get("pytest_smolvm.session.admission")  # loaded with the pool, if at all
+    return admission.peaks() if admission is not None else {}
 
 
 @pytest.hookimpl(wrapper=True)
@@ -203,7 +211,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
                     item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
                                             "one-time backend decision (probe, baseline); not counted in its "
                                             "duration")
-                live = run.pool.create(item.nodeid, spec, setup)
+                live = run.pool.create(item.nodeid, spec, setup, waiting=premade.waiting_note(item))
             problem = ""
         except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors
             live, problem = None, str(exc)

@@ -26,6 +26,18 @@ if TYPE_CHECKING:
     from pytest_smolvm.session.warm import BaselineSetup
 
 
+def waiting_note(item: pytest.Item) -> Callable[[str], None]:
+    """What a test held back by admission control says: a line in ``-v`` output (serial runs;
+    an xdist worker has no terminal of its own) and a section of its report."""
+    def note(why: str) -> None:
+        item.add_report_section("setup", "smolvm admission", f"waited for admission: {why}")
+        config = item.config
+        terminal = config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None and config.get_verbosity() > 0 and not hasattr(config, "workerinput"):
+            terminal.write_line(f"{item.nodeid}: waiting for admission ({why})")
+    return note
+
+
 def guest_spec(item: pytest.Item, base: MarkerSpec, keywords: Mapping[str, Any]) -> MarkerSpec:
     """The spec of a guest ``item`` asks for: ``base`` with ``keywords``, then the hook's say."""
     spec = base.merged(dict(keywords), "smol_vm_factory")
@@ -94,7 +106,7 @@ def start(item: pytest.Item, run: SmolRun, setup: BaselineSetup | None,
 
     def make() -> None:
         try:
-            live = pool.create(item.nodeid, spec, setup, ahead=False)
+            live = pool.create(item.nodeid, spec, setup, ahead=False, waiting=waiting_note(item))
         except BaseException as exc:  # handed to the test's setup, which reports it as its own
             premade.finish(None, exc)
         else:

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
-from pytest_smolvm.session import capacity
+from pytest_smolvm.session import admission, capacity
 from pytest_smolvm.session.background import Ahead, Bounded, Teardown
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
@@ -73,6 +73,7 @@ class LiveGuest:
     provision_seconds: float = 0.0
     destroy_seconds: float = 0.0
     slot: capacity.Slot | None = None
+    admitted: admission.Slot | None = None  # its place among the guests alive on this host
 
 
 class GuestPool:
@@ -174,11 +175,11 @@ class GuestPool:
     # ------------------------------------------------------------------ guests
 
     def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None, *,
-               ahead: bool = True) -> LiveGuest:
+               ahead: bool = True, waiting: Callable[[str], None] | None = None) -> LiveGuest:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
-        ``ahead=False``: start no guest ahead for a next test (concurrent tests make their own
-        at once). Raises ProvisionError (infrastructure) or UsageError (bad spec or settings).
+        ``ahead=False``: make no guest ahead (concurrent tests make theirs at once); ``waiting(why)``
+        runs when admission control holds it back. Raises ProvisionError or UsageError (bad spec).
         """
         self.warn_teardown_failures()
         base = self.baseline_for(spec.image)
@@ -186,15 +187,17 @@ class GuestPool:
             base = self.warm_baseline(base, setup)
         started = time.monotonic()
         if not self.makes_ahead:
-            return self._create_now(test_id, spec, base, started)
+            return self._create_now(test_id, spec, base, started, waiting)
         key = (base.digest, repr(spec))
         live = self._ahead.take(key)
-        if live is not None:
+        if live is not None:  # made ahead, idle and free until now: admitted as it starts to count
+            alive = self._admission()[0]
+            live.admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
             live.record.test_id = test_id
             live.record.save()
             live.provision_seconds = time.monotonic() - started
         else:
-            live = self._create_now(test_id, spec, base, started)
+            live = self._create_now(test_id, spec, base, started, waiting)
         # After this test's own guest, never before: the two would queue on one engine.
         if ahead:
             self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
@@ -221,12 +224,27 @@ class GuestPool:
             self._ahead.depth = AHEAD_DEPTH if cores >= AHEAD_DEPTH * self.workers else 1
         return self._make_ahead
 
-    def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float) -> LiveGuest:
+    def _admission(self) -> tuple[admission.Gate | None, admission.Gate]:
+        """The host-wide gates: guests alive (``--smol-max-vms`` is that bound where given) and
+        guests being created at once, sized from what this host can hold."""
+        plan = self.plan
+        alive, creating = admission.bounds(backend_class(plan.backend), plan.target)
+        alive_gate = None if self.settings.max_vms else admission.gate(admission.ALIVE, alive)
+        return alive_gate, admission.gate(admission.CREATING, creating)
+
+    def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float,
+                    waiting: Callable[[str], None] | None = None) -> LiveGuest:
         slot = capacity.acquire(self.settings.max_vms) if self.settings.max_vms else None
+        alive, creating = self._admission()
+        admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
         try:
             for attempt in range(1, PROVISION_ATTEMPTS + 1):
                 try:
-                    live = self._create_once(test_id, spec, base)
+                    turn = creating.acquire(creating.on_wait(waiting))
+                    try:
+                        live = self._create_once(test_id, spec, base)
+                    finally:
+                        turn.release()
                 except ProvisionError as exc:
                     if not exc.retryable or attempt == PROVISION_ATTEMPTS:
                         raise ProvisionError(f"{exc} (attempt {attempt} of {PROVISION_ATTEMPTS})"
@@ -234,11 +252,13 @@ class GuestPool:
                     time.sleep(PROVISION_BACKOFF * 2 ** (attempt - 1))
                     continue
                 live.provision_seconds = time.monotonic() - started
-                live.slot = slot
+                live.slot, live.admitted = slot, admitted
                 return live
         except BaseException:
             if slot is not None:
                 slot.release()
+            if admitted is not None:
+                admitted.release()
             raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -278,6 +298,8 @@ class GuestPool:
     def keep(self, live: LiveGuest) -> None:
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
+        if live.admitted is not None:
+            live.admitted.release()
         live.guest.keep()
         live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
         live.record.kept = True
@@ -311,6 +333,8 @@ class GuestPool:
         error = _bounded(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
         if live.slot is not None:
             live.slot.release()
+        if live.admitted is not None:
+            live.admitted.release()
         if error is None:
             live.record.remove()
         return error
