@@ -198,3 +198,22 @@ def test_bad_concurrency_is_one_line(pytester: pytest.Pytester, smol_state: Path
     result.stderr.fnmatch_lines(["*--smol-concurrency=many: expected a positive integer*"])
     result = pytester.runpytest_subprocess("-p", "no:anyio")
     result.stdout.fnmatch_lines(["*smol_episodes(concurrency=0): expected a positive integer*"])
+
+
+def test_exitfirst_finishes_what_is_in_flight_and_starts_nothing(pytester: pytest.Pytester,
+                                                                   smol_state: Path) -> None:
+    pytester.makepyfile(test_x="""
+        import asyncio
+        import pytest
+
+        @pytest.mark.smol_episodes(6, concurrency=3)
+        async def test_x(smol_vm, smol_episode):
+            if smol_episode.index == 1:
+                raise AssertionError("the first failure")
+            await smol_vm.aio.exec("sleep 1")
+    """)
+    result = pytester.runpytest_subprocess("-x", "-p", "no:anyio")
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == 1 and outcomes.get("passed", 0) < 5, outcomes  # -x stopped the rest
+    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    assert_host_clean(smol_state)
