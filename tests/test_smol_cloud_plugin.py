@@ -303,3 +303,26 @@ def test_warm_baseline_hook_runs_once_per_host_under_n2(pytester: pytest.Pyteste
     assert len(creates) == 1, creates  # and no idle cold one beside it
     assert len({h["request"]["labels"]["owner_pid"] for h in creates}) == 1  # made by the controller
     assert cloud.wait_for_no_machines(token=token) == []
+
+
+def test_concurrent_episodes_branch_in_batches(pytester: pytest.Pytester, cloud: LoopbackCloud, token: str) -> None:
+    pytester.makepyfile(test_fanout="""
+        import asyncio
+        import pytest
+
+        ARRIVED = set()
+
+        @pytest.mark.smol_episodes(8, concurrency=8)
+        async def test_fanout(smol_vm, smol_episode):
+            ARRIVED.add(smol_episode.index)  # all eight in flight at once, each in its own branch
+            while len(ARRIVED) < 8:
+                await asyncio.sleep(0.05)
+            assert (await smol_vm.aio.exec("echo up")).stdout == "up\\n"
+    """)
+    pytester.runpytest_subprocess(*SMOL, "-p", "no:anyio").assert_outcomes(passed=8)
+    assert cloud.wait_for_no_machines(token=token) == []
+    branches = [h for h in cloud.history(token) if h["op"] == "branch"]
+    assert len(branches) == 8
+    # The first guest is made alone (the run's decision); the other seven, asked for at once,
+    # are coalesced into branch_batch calls: fewer calls than guests.
+    assert len({h["call"] for h in branches}) < 8, branches

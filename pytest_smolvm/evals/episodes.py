@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
 
 EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
-MARKER = ("smol_episodes(n, seed=0): run this test as n episodes (ids ep0..ep{n-1}), each with a fresh "
-          "guest and a deterministic seed; the smol_episode fixture records rewards (pytest-smolvm)")
+MARKER = ("smol_episodes(n, seed=0, concurrency=1): run this test as n episodes (ids ep0..ep{n-1}), each "
+          "with a fresh guest and a deterministic seed, up to `concurrency` at once (async def tests); the "
+          "smol_episode fixture records rewards (pytest-smolvm)")
 RESULT_ATTR = "smolvm_result"  # on the teardown report
 REWARD_PROPERTY = "smolvm_reward"
 SCHEMA_VERSION = 2  # 2: cause and artifacts (docs/evals.md); readers take 1 as well
@@ -100,6 +101,10 @@ def parse_marker(mark: pytest.Mark, where: str) -> tuple[int, int]:
     """``(n, seed)`` from ``smol_episodes(n, seed=0)``; raises ValueError with a one-line message."""
     label = f"{where}: @pytest.mark.smol_episodes"
     args, kwargs = list(mark.args), dict(mark.kwargs)
+    concurrency = kwargs.pop("concurrency", None)  # read by plugin/concurrency.py; checked here, at collection
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency <= 0):
+        raise ValueError(f"{label}(concurrency={concurrency!r}): expected a positive integer")
     if len(args) > 2 or set(kwargs) - {"n", "seed"}:
         raise ValueError(f"{label} takes (n, seed=0), got args={tuple(args)!r} kwargs={kwargs!r}")
     names = ["n", "seed"][:len(args)]

@@ -6,23 +6,34 @@ here: :func:`run` is called from the plugin's ``pytest_pyfunc_call`` after the a
 own (anyio's and pytest-asyncio's claim their tests first: anyio's hook is ``tryfirst``, and
 pytest-asyncio turns its tests into plain functions at collection), and before pytest's
 default, which would fail the test.
+
+Under ``--smol-concurrency`` the body has already run as a task (concurrency.py) when the call
+phase comes: :data:`REPLAY_KEY` holds its outcome, which the call phase replays so that pytest
+reports it as its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from typing import Any
 
 import pytest
 
 GUEST_FIXTURES = frozenset({"smol_vm", "smol_vm_factory", "smol_episode"})
+REPLAY_KEY = pytest.StashKey["BaseException | None"]()  # a concurrent body's outcome: None = it returned
 
 
 def run(item: pytest.Function) -> bool | None:
     """Run ``item`` on a fresh asyncio loop if it is an async guest test; True when it ran."""
+    if REPLAY_KEY in item.stash:
+        outcome = item.stash[REPLAY_KEY]
+        if outcome is not None:
+            raise outcome
+        return True
     if not inspect.iscoroutinefunction(item.obj) or not GUEST_FIXTURES & set(item.fixturenames):
         return None
     arguments: dict[str, Any] = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    import asyncio  # here: a concurrent replay, above, never needs a loop of its own
+
     asyncio.run(item.obj(**arguments))
     return True

@@ -8,6 +8,7 @@ guest (see ``run.py``). A project without guest tests pays for option parsing an
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -18,7 +19,7 @@ import pytest
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.evals import episodes
 from pytest_smolvm.host import progress
-from pytest_smolvm.plugin import artifacts, hookspecs, reporting, xdist
+from pytest_smolvm.plugin import artifacts, concurrency, hookspecs, premade, reporting, xdist
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -74,6 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[WORK_KEY] = glue.work
     episodes.install(config, run)
     artifacts.install(config, run)
+    config.pluginmanager.register(concurrency.ConcurrentRunner(config, run, settings.concurrency), "smolvm-concurrency")
     if workerinput is None and hasattr(config.hook, "pytest_html_results_summary"):  # pytest-html installed
         from pytest_smolvm.plugin.html_section import HtmlSection
 
@@ -125,7 +127,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     problems = config.stash[PROBLEMS_KEY]
     problems += run.finish()
     if xdist.is_worker(config):
-        xdist.report_to_controller(config, problems, progress.finished())
+        xdist.report_to_controller(config, problems, progress.finished(), _admission_peaks())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -145,10 +147,17 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     problems: list[str] = config.stash[PROBLEMS_KEY]
     lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
                                     problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
+    found = xdist.controller(config)
+    lines += reporting.admission_lines(_admission_peaks(), *(found.admission if found is not None else []))
     if lines:
         terminalreporter.section("smolvm")
         for line in lines:
             terminalreporter.line(line)
+
+
+def _admission_peaks() -> dict[str, list[int]]:
+    admission = sys.modules.get("pytest_smolvm.session.admission")  # loaded with the pool, if at all
+    return admission.peaks() if admission is not None else {}
 
 
 @pytest.hookimpl(wrapper=True)
@@ -200,19 +209,21 @@ def smol_vm_factory(request: pytest.FixtureRequest,
     assert base_spec is not None
     made: list[LiveGuest] = item.stash.setdefault(GUESTS_KEY, [])
 
+    item.stash[premade.SETUP_KEY] = setup  # the concurrent runner makes the next tests' guests with it
+
     def make(**keywords: Any) -> VM:
         try:
-            spec = base_spec.merged(keywords, "smol_vm_factory")
-            proposed = {k: getattr(spec, k) for k in MarkerSpec.__dataclass_fields__}
-            item.config.hook.pytest_smolvm_configure_vm(item=item, spec=proposed)
-            spec = MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
-            if run.plan is None:  # this process's first guest: the run's one decision happens now
-                deciding = time.monotonic()
-                run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
-                waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
-                item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
-                                        "one-time backend decision (probe, baseline); not counted in its duration")
-            live: LiveGuest | None = run.pool.create(item.nodeid, spec, setup)
+            live: LiveGuest | None = premade.take(item, keywords, setup)  # made before setup, concurrently
+            if live is None:
+                spec = premade.guest_spec(item, base_spec, keywords)
+                if run.plan is None:  # this process's first guest: the run's one decision happens now
+                    deciding = time.monotonic()
+                    run.pool.plan  # noqa: B018 -- probe, baseline; not this test's own time
+                    waited = item.stash[DECISION_KEY] = time.monotonic() - deciding
+                    item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
+                                            "one-time backend decision (probe, baseline); not counted in its "
+                                            "duration")
+                live = run.pool.create(item.nodeid, spec, setup, waiting=premade.waiting_note(item))
             problem = ""
         except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors
             live, problem = None, str(exc)

@@ -49,3 +49,16 @@ def summary_lines(plan: RunPlan, kept: Iterable[Record], *, used_guests: bool,
     for problem in problems:
         lines.append(f"teardown problem (left to 'pytest-smolvm reap'): {problem}")
     return lines
+
+
+def admission_lines(*seen: dict[str, list[int]]) -> list[str]:
+    """The peak of guests held host-wide under admission control, as the run's processes saw it."""
+    merged: dict[str, list[int]] = {}
+    for peaks in seen:
+        for gate, (peak, bound) in peaks.items():
+            known = merged.setdefault(gate, [0, bound])
+            known[0] = max(known[0], peak)
+    if not merged:
+        return []
+    parts = [f"{peak} of {bound} {gate}" for gate, (peak, bound) in sorted(merged.items())]
+    return [f"smolvm: admission: peak held on this host: {', '.join(parts)} (guests alive / being created at once)"]

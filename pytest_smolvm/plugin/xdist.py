@@ -22,6 +22,7 @@ RESULTS_PATH = "smolvm_results"  # the controller's resolved --smol-results path
 # workeroutput: worker -> controller
 PROBLEMS = "smolvm_problems"  # teardown problems the worker met, for the controller's summary
 WORK = "smolvm_work"  # the worker's long host-side work (pulls, unpacks), for the summary
+ADMISSION = "smolvm_admission"  # {gate: [peak held host-wide as the worker saw it, bound]}
 
 CONTROLLER_NAME = "smolvm-xdist"
 
@@ -36,12 +37,15 @@ def is_worker(config: pytest.Config) -> bool:
     return worker_input(config) is not None
 
 
-def report_to_controller(config: pytest.Config, problems: list[str], work: list[str]) -> None:
-    """Hand this worker's teardown problems and host work to the controller (a no-op elsewhere)."""
+def report_to_controller(config: pytest.Config, problems: list[str], work: list[str],
+                         admission: dict[str, list[int]] | None = None) -> None:
+    """Hand this worker's teardown problems, host work and admission peaks to the controller
+    (a no-op elsewhere)."""
     output = getattr(config, "workeroutput", None)
     if output is not None:
         output[PROBLEMS] = list(problems)
         output[WORK] = list(work)
+        output[ADMISSION] = dict(admission or {})
 
 
 class Controller:
@@ -51,6 +55,7 @@ class Controller:
         self._inputs: dict[str, Callable[[], str | None]] = {}
         self.problems: list[str] = []
         self.work: list[str] = []
+        self.admission: list[dict[str, list[int]]] = []
         self._on_node_down: list[Callable[[bool], None]] = []
 
     def tell_workers(self, key: str, value: Callable[[], str | None]) -> None:
@@ -71,6 +76,7 @@ class Controller:
         output = getattr(node, "workeroutput", {})
         self.problems.extend(output.get(PROBLEMS, []))
         self.work.extend(output.get(WORK, []))
+        self.admission.append(output.get(ADMISSION, {}))
         for callback in self._on_node_down:
             callback(bool(error))
 

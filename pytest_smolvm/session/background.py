@@ -277,3 +277,31 @@ class Shielded:
             while self._abandoned and (left := deadline - time.monotonic()) > 0:
                 self._idle.wait(left)
             return not self._abandoned
+
+
+_attempt_runners = threading.local()  # each thread's background.Bounded for attempts_within
+
+
+def attempts_within(action: Any, attempts: int, timeout: float) -> str | None:
+    """Run ``action`` up to ``attempts`` times within ``timeout`` seconds; None or the last error.
+
+    It runs on a daemon thread (background.Bounded): a delete the engine never answers must not
+    hold the test process (and its blocked signals) forever. Past the bound the guest is left
+    to the reaper.
+    """
+
+    def attempt_all() -> str | None:
+        error: str | None = None
+        for _ in range(attempts):
+            try:
+                action()
+                return None
+            except Exception as exc:  # a failed destroy must never replace the test's outcome
+                error = f"{type(exc).__name__}: {exc}"
+        return error
+
+    runner = getattr(_attempt_runners, "runner", None)
+    if runner is None:
+        runner = _attempt_runners.runner = Bounded("smolvm-attempts")
+    finished, error = runner.run(attempt_all, timeout)
+    return error if finished else f"destroy did not finish within {timeout:g}s"

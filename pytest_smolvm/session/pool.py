@@ -15,30 +15,27 @@ is what a new one would be, for the same baseline and spec, made a few milliseco
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import Backend, BackendOptions, EgressAttempt, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import BaselineSetupError, GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
+from pytest_smolvm.errors import GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import procs, registry
 from pytest_smolvm.host.signals import signals_deferred
-from pytest_smolvm.session import capacity
-from pytest_smolvm.session.background import Ahead, Bounded, Shielded, Teardown
+from pytest_smolvm.session import admission, capacity
+from pytest_smolvm.session.background import Ahead, Shielded, Teardown, attempts_within
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
-from pytest_smolvm.session.warm import BaselineSetup
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.session.warm import BaselineSetup, WarmBaselines
 
 DESTROY_ATTEMPTS = 2
 PROVISION_ATTEMPTS = 3
@@ -56,6 +53,7 @@ class LiveGuest:
     destroy_seconds: float = 0.0
     slot: capacity.Slot | None = None
     egress: list[EgressAttempt] = field(default_factory=list)  # read just before it went
+    admitted: admission.Slot | None = None  # its place among the guests alive on this host
 
 
 class GuestPool:
@@ -69,7 +67,7 @@ class GuestPool:
         self._plans = plans
         self._backend: Backend | None = None
         self._baselines: dict[str | None, Baseline] = {}
-        self._warm: dict[str, Baseline | BaselineSetupError] = {}
+        self._warm = WarmBaselines()
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
         self.live: dict[str, LiveGuest] = {}
@@ -119,25 +117,6 @@ class GuestPool:
 
     def warm_baseline(self, base: Baseline, setup: BaselineSetup) -> Baseline:
         """``base`` after ``setup``, prepared once per host (a failure is remembered, not retried)."""
-        key = hashlib.sha256(f"{base.digest}\0{setup.identity}".encode()).hexdigest()
-        known = self._warm.get(key)
-        if isinstance(known, BaselineSetupError):
-            raise BaselineSetupError(f"the baseline setup already failed in this run: {known}")
-        if known is not None:
-            return known
-        plan = self.plan
-
-        def populate(guest: Guest) -> None:
-            vm = VM(guest, backend=plan.backend, isolation=plan.isolation, baseline=base.reference,
-                    digest=base.digest)
-            try:
-                if setup.run_hook is not None:
-                    setup.run_hook(vm)
-                for command in setup.commands:
-                    vm.exec(command, check=True)
-            except Exception as exc:
-                raise BaselineSetupError(inert(f"{type(exc).__name__}: {exc}\n--- setup transcript\n"
-                                               f"{vm.transcript_text()}")) from exc
 
         @contextlib.contextmanager
         def scratch_guest(baseline: Baseline) -> Iterator[Guest]:
@@ -147,20 +126,16 @@ class GuestPool:
             finally:
                 self.destroy(live)
 
-        try:
-            warm = self.backend.derive_baseline(base, key, populate, scratch_guest)
-        except BaselineSetupError as exc:
-            self._warm[key] = exc
-            raise
-        self._warm[key] = warm
-        return warm
+        return self._warm.prepare(base, setup, self.backend, self.plan, scratch_guest)
 
     # ------------------------------------------------------------------ guests
 
-    def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None) -> LiveGuest:
+    def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None, *,
+               ahead: bool = True, waiting: Callable[[str], None] | None = None) -> LiveGuest:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
-        Raises ProvisionError (infrastructure) or UsageError (bad spec or settings).
+        ``ahead=False``: make no guest ahead (concurrent tests make theirs at once); ``waiting(why)``
+        runs when admission control holds it back. Raises ProvisionError or UsageError (bad spec).
         """
         self.warn_teardown_failures()
         base = self.baseline_for(spec.image)
@@ -168,20 +143,23 @@ class GuestPool:
             base = self.warm_baseline(base, setup)
         started = time.monotonic()
         if not self.makes_ahead:
-            return self._create_now(test_id, spec, base, started)
+            return self._create_now(test_id, spec, base, started, waiting)
         key = (base.digest, repr(spec))
         live = self._ahead.take(key)
         if live is not None and not _still_running(live.guest):
             self.release(live)  # it died while it waited (its init killed, OOM): destroyed, not handed out
             live = None
-        if live is not None:
+        if live is not None:  # made ahead, idle and free until now: admitted as it starts to count
+            alive = self._admission()[0]
+            live.admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
             live.record.test_id = test_id
             live.record.save()
             live.provision_seconds = time.monotonic() - started
         else:
-            live = self._create_now(test_id, spec, base, started)
+            live = self._create_now(test_id, spec, base, started, waiting)
         # After this test's own guest, never before: the two would queue on one engine.
-        self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
+        if ahead:
+            self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
         return live
 
     @property
@@ -205,12 +183,27 @@ class GuestPool:
             self._ahead.depth = AHEAD_DEPTH if cores >= AHEAD_DEPTH * self.workers else 1
         return self._make_ahead
 
-    def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float) -> LiveGuest:
+    def _admission(self) -> tuple[admission.Gate | None, admission.Gate]:
+        """The host-wide gates: guests alive (``--smol-max-vms`` is that bound where given) and
+        guests being created at once, sized from what this host can hold."""
+        plan = self.plan
+        alive, creating = admission.bounds(backend_class(plan.backend), plan.target)
+        alive_gate = None if self.settings.max_vms else admission.gate(admission.ALIVE, alive)
+        return alive_gate, admission.gate(admission.CREATING, creating)
+
+    def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float,
+                    waiting: Callable[[str], None] | None = None) -> LiveGuest:
         slot = capacity.acquire(self.settings.max_vms) if self.settings.max_vms else None
+        alive, creating = self._admission()
+        admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
         try:
             for attempt in range(1, PROVISION_ATTEMPTS + 1):
                 try:
-                    live = self._create_once(test_id, spec, base)
+                    turn = creating.acquire(creating.on_wait(waiting))
+                    try:
+                        live = self._create_once(test_id, spec, base)
+                    finally:
+                        turn.release()
                 except ProvisionError as exc:
                     if not exc.retryable or attempt == PROVISION_ATTEMPTS:
                         raise ProvisionError(f"{exc} (attempt {attempt} of {PROVISION_ATTEMPTS})"
@@ -218,11 +211,13 @@ class GuestPool:
                     time.sleep(PROVISION_BACKOFF * 2 ** (attempt - 1))
                     continue
                 live.provision_seconds = time.monotonic() - started
-                live.slot = slot
+                live.slot, live.admitted = slot, admitted
                 return live
         except BaseException:
             if slot is not None:
                 slot.release()
+            if admitted is not None:
+                admitted.release()
             raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -290,6 +285,9 @@ class GuestPool:
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
             live.slot = None
+        if live.admitted is not None:
+            live.admitted.release()
+            live.admitted = None
         self.live.pop(live.vm.name, None)
 
     def release(self, live: LiveGuest) -> None:
@@ -325,9 +323,11 @@ class GuestPool:
             live.egress = []  # its log says why; a teardown never fails for the ledger
 
     def _destroy_now(self, live: LiveGuest) -> str | None:
-        error = _bounded(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
+        error = attempts_within(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
         if live.slot is not None:
             live.slot.release()
+        if live.admitted is not None:
+            live.admitted.release()
         if error is None:
             live.record.remove()
         return error
@@ -372,37 +372,9 @@ class GuestPool:
         return problems
 
 
-_destroyers = threading.local()  # each thread's background.Bounded for destroys
-
-
 def _still_running(guest: Guest) -> bool:
     """Whether a guest made ahead still has its init (one without a host pid, a cloud machine,
     is taken as running: the test's first call would say otherwise)."""
     data = guest.registry_data()
     pid, start = data.get("pid"), data.get("pid_start")
     return not isinstance(pid, int) or procs.is_alive(pid, start if isinstance(start, int) else None)
-
-
-def _bounded(action: Any, attempts: int, timeout: float) -> str | None:
-    """Run ``action`` up to ``attempts`` times within ``timeout`` seconds; None or the last error.
-
-    It runs on a daemon thread (background.Bounded): a delete the engine never answers must not
-    hold the test process (and its blocked signals) forever. Past the bound the guest is left
-    to the reaper.
-    """
-
-    def attempt_all() -> str | None:
-        error: str | None = None
-        for _ in range(attempts):
-            try:
-                action()
-                return None
-            except Exception as exc:  # a failed destroy must never replace the test's outcome
-                error = f"{type(exc).__name__}: {exc}"
-        return error
-
-    runner = getattr(_destroyers, "runner", None)
-    if runner is None:
-        runner = _destroyers.runner = Bounded("smolvm-destroy")
-    finished, error = runner.run(attempt_all, timeout)
-    return error if finished else f"destroy did not finish within {timeout:g}s"

@@ -40,6 +40,9 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--smol-keep", "smol_keep",
      "keep guests after their test: never, failed or always. Default: never."),
     ("--smol-max-vms", "smol_max_vms", "most guests alive at once on this host, all workers together."),
+    ("--smol-concurrency", "smol_concurrency",
+     "async def guest tests each worker runs at once, each its own test (smol_episodes(concurrency=N) "
+     "per test). Default: 1."),
     ("--smol-results", "smol_results", "write one JSON line per test/episode to this file."),
     ("--smol-artifacts", "smol_artifacts", "save guest logs and transcripts under this dir, one dir per test."),
     ("--smol-logs", "smol_logs",
@@ -77,6 +80,7 @@ class Settings:
     target: str = "local"
     keep: str = "never"
     max_vms: int | None = None
+    concurrency: int = 1  # async guest tests in flight at once per pytest process (plugin/concurrency.py)
     results: Path | None = None
     artifacts: Path | None = None
     logs: str = "failed"
@@ -119,6 +123,9 @@ class Settings:
         name, value, _ = get("smol_max_vms")
         if value is not None:
             settings = replace(settings, max_vms=_positive_int(name, value))
+        name, value, _ = get("smol_concurrency")
+        if value is not None:
+            changes["concurrency"] = _positive_int(name, value)
         name, value, _ = get("smol_user")
         if value is not None:
             changes["user"] = _guest_user(name, value)

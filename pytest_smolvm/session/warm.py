@@ -10,12 +10,17 @@ from __future__ import annotations
 import hashlib
 import inspect
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import pytest
 
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.backends.base import Backend, Guest
+from pytest_smolvm.baselines.baseline import Baseline
+from pytest_smolvm.errors import BaselineSetupError, UsageError
 from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.session.plan import RunPlan
+from pytest_smolvm.untrusted.inert import inert
 
 SETUP_KEY = pytest.StashKey["BaselineSetup"]()
 
@@ -57,3 +62,37 @@ class BaselineSetup:
         return setup
 
 
+class WarmBaselines:
+    """The warm baselines this process prepared, by key; a failed setup is remembered, not retried."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, Baseline | BaselineSetupError] = {}
+
+    def prepare(self, base: Baseline, setup: BaselineSetup, backend: Backend, plan: RunPlan,
+                scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
+        key = hashlib.sha256(f"{base.digest}\0{setup.identity}".encode()).hexdigest()
+        known = self._known.get(key)
+        if isinstance(known, BaselineSetupError):
+            raise BaselineSetupError(f"the baseline setup already failed in this run: {known}")
+        if known is not None:
+            return known
+
+        def populate(guest: Guest) -> None:
+            vm = VM(guest, backend=plan.backend, isolation=plan.isolation, baseline=base.reference,
+                    digest=base.digest)
+            try:
+                if setup.run_hook is not None:
+                    setup.run_hook(vm)
+                for command in setup.commands:
+                    vm.exec(command, check=True)
+            except Exception as exc:
+                raise BaselineSetupError(inert(f"{type(exc).__name__}: {exc}\n--- setup transcript\n"
+                                               f"{vm.transcript_text()}")) from exc
+
+        try:
+            warm = backend.derive_baseline(base, key, populate, scratch_guest)
+        except BaselineSetupError as exc:
+            self._known[key] = exc
+            raise
+        self._known[key] = warm
+        return warm

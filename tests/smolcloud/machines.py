@@ -352,9 +352,10 @@ class Store:
                 raise wire.conflict(f"machine name(s) already exist: {', '.join(taken)}")
             lower = self._snapshot(source)
             made: list[Machine] = []
+            call = uuid.uuid4().hex[:12]  # one id per request: history tells batched calls apart
             try:
                 for name in request.names:
-                    made.append(self._child(owner, source, name, lower, request.branchable))
+                    made.append(self._child(owner, source, name, lower, request.branchable, call))
             except BaseException:
                 for child in reversed(made):  # transactional: every child or none
                     self.delete(child, inject=False)
@@ -364,7 +365,8 @@ class Store:
                 source.say("frozen as a branch base")
             return made
 
-    def _child(self, owner: str, source: Machine, name: str, lower: Lower, branchable: bool) -> Machine:
+    def _child(self, owner: str, source: Machine, name: str, lower: Lower, branchable: bool,
+               call: str = "") -> Machine:
         child = Machine(id=f"mach-{uuid.uuid4().hex[:20]}", name=name, owner=owner, image=source.image,
                         request={"branchOf": source.id, "name": name}, labels=dict(source.labels),
                         cpus=source.cpus, memory_mb=source.memory_mb, disk_gb=source.disk_gb,
@@ -375,7 +377,7 @@ class Store:
             self.machines[child.id] = child
             source.children.add(child.id)
             self.history.append({"op": "branch", "id": child.id, "owner": owner, "source": source.id,
-                                 "name": name})
+                                 "name": name, "call": call})
         try:
             child.guest = self._boot(child)
         except BaseException:

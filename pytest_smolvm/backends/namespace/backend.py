@@ -38,6 +38,10 @@ class NamespaceBackend:
     name: ClassVar[str] = "namespace"
     isolation: ClassVar[str] = "namespace"
     idle_guests_are_free: ClassVar[bool] = True  # an idle init: ~2.5 MB, no CPU
+    # What one guest costs this host for admission control (session/admission.py): its init and
+    # helper, and the files it writes (its tmpfs disk is host memory). A guest may use up to its
+    # memory limit, but few do: the bound is on what the host can hold, not on the worst case.
+    guest_host_mb: ClassVar[int] = 64
 
     def __init__(self, options: BackendOptions | None = None) -> None:
         self.options = options or BackendOptions()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import BackendOptions, Guest, ProbeResult, VMSpec
+from pytest_smolvm.backends.smol.batching import BranchBatcher
 from pytest_smolvm.backends.smol.common import (
     DEFAULT_CPUS,
     DEFAULT_TTL_SECONDS,
@@ -78,6 +79,7 @@ class SmolBackend:
                  memory_mb: int = limits.LIMITS.memory_mb, ready_timeout: float = limits.LIMITS.smol_ready) -> None:
         options = options or BackendOptions()
         target, labels = options.target, options.labels
+        self._batcher = BranchBatcher()  # concurrent branches of one source: one branch_batch call
         if target not in TARGETS:
             raise UsageError(f"--smol-target={target}: choose local or cloud")
         if target == "cloud" and cloud_token_source() is None:
@@ -148,7 +150,8 @@ class SmolBackend:
         machine = self._source_machine(source)
         self._asked = True
         try:
-            child = machine.branch(spec.name)
+            child = self._batcher.branch(source.name, machine, spec.name,
+                                         lambda extra: delete_machine(extra, extra.name, self.target))
         except SmolError as exc:
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,

@@ -1,0 +1,97 @@
+"""Concurrent async episodes on the namespace backend, as ratios measured in one run.
+
+    python benchmarks/concurrency.py                       # 40 episodes x 1 s; curve 1,5,10,20,40
+    python benchmarks/concurrency.py --episodes 400 --hold 2 --curve 1,10,50,100,200
+
+Each episode holds its guest for ``--hold`` seconds of guest-side ``sleep``. Prints, for each
+concurrency of the curve, the wall time of ``pytest --smol-concurrency=C`` against the ideal
+(episodes x hold / C), the floor (the same episodes as plain asyncio tasks, each in a guest made
+by the library API, at the same concurrency) and ``-n 2`` without concurrency; then one JSON line.
+Peak RSS is of the pytest process tree (ru_maxrss of the children, the largest one). Never part
+of the test command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUITE = """
+import pytest
+
+@pytest.mark.smol_episodes({episodes})
+async def test_episode(smol_vm, smol_episode):
+    r = await smol_vm.aio.exec("sleep {hold}")
+    assert r.exit_code == 0
+"""
+
+
+def pytest_wall(directory: Path, *args: str) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
+                           *args], cwd=directory, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
+    return wall
+
+
+async def floor(episodes: int, hold: float, concurrency: int) -> float:
+    from pytest_smolvm import Session
+
+    limit = asyncio.Semaphore(concurrency)
+    async with Session(backend="namespace") as session:
+        await session.adestroy(await session.acreate())  # the run's one decision, outside the timing
+
+        async def one() -> None:
+            async with limit:
+                vm = await session.acreate()
+                try:
+                    await vm.aio.exec(f"sleep {hold:g}")
+                finally:
+                    await session.adestroy(vm)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(episodes)))
+        return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--hold", type=float, default=1.0)
+    parser.add_argument("--curve", default="1,5,10,20,40")
+    options = parser.parse_args()
+    curve = [int(c) for c in options.curve.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="smolvm-conc-") as tmp:
+        directory = Path(tmp)
+        (directory / "test_eps.py").write_text(SUITE.format(episodes=options.episodes, hold=f"{options.hold:g}"))
+        pytest_wall(directory, "-k", "ep0")  # unpack the baseline once, outside the timing
+        serial_n2 = pytest_wall(directory, "-n", "2")
+        for concurrency in curve:
+            wall = pytest_wall(directory, f"--smol-concurrency={concurrency}")
+            floor_wall = asyncio.run(floor(options.episodes, options.hold, concurrency))
+            ideal = options.episodes * options.hold / concurrency
+            rows.append({"concurrency": concurrency, "wall_s": round(wall, 2), "ideal_s": round(ideal, 2),
+                         "floor_s": round(floor_wall, 2), "wall_over_ideal": round(wall / ideal, 2),
+                         "wall_over_floor": round(wall / floor_wall, 2)})
+            print(f"concurrency {concurrency:4d}: wall {wall:7.2f}s  ideal {ideal:7.2f}s  x{wall / ideal:5.2f}  "
+                  f"floor {floor_wall:7.2f}s  x{wall / floor_wall:5.2f} of the floor", flush=True)
+    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(f"-n 2 without concurrency: {serial_n2:.2f}s; largest pytest process: {rss_mb:.0f} MB; cores: "
+          f"{len(os.sched_getaffinity(0))}")
+    print(json.dumps({"episodes": options.episodes, "hold_s": options.hold, "n2_serial_s": round(serial_n2, 2),
+                      "peak_rss_mb": round(rss_mb), "curve": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Concurrent branches of one source coalesced into ``branch_batch`` calls.
+
+With ``--smol-concurrency`` a worker asks for many guests at once, each a branch of the same warm
+source. On smol cloud each branch is a control-plane round trip that queues per source; the SDK's
+``Machine.branch_batch(names=[...])`` makes them in one transactional call (every child or none;
+the SDK itself falls back from ``/branches/batch`` to ``/fork-batch`` on an older control plane).
+This module is modelled on the SDK's own coalescer (``smol/harbor.py``, ``_ForkBatcher``): the
+first request for a source opens a batch and, if another branch of that source is under way
+(so requests are coming concurrently), waits a short window or until the batch is full; requests
+arriving meanwhile join it; one call makes them all. A lone request (a serial run) waits for nothing.
+
+Fallbacks the SDK needs: a batch of one is a plain ``branch`` (no batch route needed); if the
+batch call fails, or returns other children than asked for (which are then deleted), every
+request of the batch falls back to its own ``branch``, so one bad batch costs time, not tests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+WINDOW_SECONDS = 0.005  # what a request may wait for others: a fraction of a branch's round trip
+MAX_BATCH = 32  # the SDK's Harbor default; the control plane's batches are transactional
+
+
+class _Batch:
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.full = threading.Event()
+        self.done = threading.Event()
+        self.children: dict[str, Any] = {}
+        self.failed = False
+
+
+class BranchBatcher:
+    """One per backend: batches per source, keyed by the source's name."""
+
+    def __init__(self, window: float = WINDOW_SECONDS, max_size: int = MAX_BATCH) -> None:
+        self.window = window
+        self.max_size = max_size
+        self._open: dict[str, _Batch] = {}
+        self._lock = threading.Lock()
+        self._busy: dict[str, int] = {}  # branch calls under way, per source
+        self.calls = 0  # branch and branch_batch calls made (for tests and benchmarks)
+
+    def branch(self, source: str, machine: Any, name: str, delete: Callable[[Any], None]) -> Any:
+        """``machine.branch(name)``, made together with other threads' branches of ``source``."""
+        with self._lock:
+            batch = self._open.get(source)
+            leader = batch is None
+            if batch is None:
+                batch = self._open[source] = _Batch()
+            batch.names.append(name)
+            concurrent = self._busy.get(source, 0) > 0
+            if len(batch.names) >= self.max_size:
+                del self._open[source]  # full: later requests open another
+                batch.full.set()
+        if leader:
+            if concurrent:
+                batch.full.wait(self.window)
+            with self._lock:
+                if self._open.get(source) is batch:
+                    del self._open[source]
+                self._busy[source] = self._busy.get(source, 0) + 1
+            try:
+                self._make(batch, machine, delete)
+            finally:
+                with self._lock:
+                    self._busy[source] -= 1
+        else:
+            batch.done.wait()
+        child = batch.children.pop(name, None)
+        if child is not None:
+            return child
+        with self._lock:  # alone, or the batch failed: this request makes its own branch
+            self.calls += 1
+            self._busy[source] = self._busy.get(source, 0) + 1
+        try:
+            return machine.branch(name)
+        finally:
+            with self._lock:
+                self._busy[source] -= 1
+
+    def _make(self, batch: _Batch, machine: Any, delete: Callable[[Any], None]) -> None:
+        names = list(batch.names)
+        try:
+            if len(names) > 1:
+                with self._lock:
+                    self.calls += 1
+                children = machine.branch_batch(names=names)
+                by_name = {str(getattr(child, "name", "")): child for child in children}
+                if sorted(by_name) != sorted(names):
+                    for child in children:  # not what was asked for: nobody may own them
+                        delete(child)
+                else:
+                    batch.children = by_name
+        except Exception:
+            batch.failed = True  # each request falls back to its own branch (and its own error)
+        finally:
+            batch.done.set()

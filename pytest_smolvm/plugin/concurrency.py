@@ -1,0 +1,387 @@
+"""``--smol-concurrency=N``: up to N ``async def`` guest tests of one worker in flight at once.
+
+Each test stays its own pytest item: its own setup, call and teardown reports (so its own
+terminal line, JUnit entry, results line and guest logs), its own fixtures and its own guest.
+The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
+
+- pytest's loop (or xdist's worker loop) hands ``pytest_runtest_protocol`` one item at a
+  time. This plugin starts an eligible item as a task on the worker's one event loop and
+  returns once it is in flight, so the loop hands over the next; it blocks only while N are in
+  flight, and before it returns for the last of a run of items that may share the loop (the
+  next is not eligible, or needs other parents or higher-scoped parameters, or there is none)
+  it runs everything in flight to the end.
+- The phases stay pytest's own (``call_and_report``), each run whole on the loop's thread.
+  pytest's fixture machinery holds one item's function-scoped state at a time (SetupState's
+  stack, each FixtureDef's cached value and finalizers), so an item's share is put aside right
+  after its setup and put back right before its teardown (:func:`detach`, :func:`attach`).
+- The body runs as a task; its outcome is replayed in the call phase (async_tests.py), so pytest
+  builds the report (traceback, xfail, timeouts) as for any test; its duration is the body's.
+- Guests are made before setup on threads of their own (premade.py): creates overlap.
+- pytest-timeout's timer would time the hand-off, not the test: its ``pytest_timeout_set_timer``
+  hook is taken over and the body's task bounded instead; at expiry the task is cancelled
+  (which kills its guest commands) and the test fails with pytest-timeout's message.
+- Ctrl-C (SIGTERM, SIGHUP) cancels every task in flight and tears each item down (fixtures,
+  guest) before the interrupt goes on; no report is made for them, as pytest makes none for
+  the test it interrupts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Coroutine, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from _pytest.runner import call_and_report
+
+from pytest_smolvm.plugin import premade
+from pytest_smolvm.plugin.async_tests import GUEST_FIXTURES, REPLAY_KEY
+from pytest_smolvm.plugin.item_state import Detached, attach, detach, group_key
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from pytest_smolvm.session.run import SmolRun
+    from pytest_smolvm.session.warm import BaselineSetup
+
+ABORT_SECONDS = 60.0  # for tasks to unwind after Ctrl-C; guests left then are the pool's to destroy
+MARKER_KEYWORD = "concurrency"
+_TAKES_KEY = pytest.StashKey[int]()  # the item's concurrency limit; 1 = not ours
+_TIMES_KEY = pytest.StashKey[tuple[float, float]]()  # the body's start (epoch) and duration
+
+
+def marker_limit(item: pytest.Item) -> int | None:
+    """``smol_episodes(..., concurrency=N)``, checked at collection (evals/episodes.py)."""
+    mark = item.get_closest_marker("smol_episodes")
+    value = mark.kwargs.get(MARKER_KEYWORD) if mark is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# ---------------------------------------------------------------------- the runner
+
+
+@dataclass(eq=False)
+class _Flight:
+    item: pytest.Function
+    timeout: float | None
+    task: asyncio.Task[None] | None = None
+    detached: Detached | None = None
+    interrupted: bool = False
+    premade: premade.Premade | None = None
+    outcome: BaseException | None = None
+
+
+class ConcurrentRunner:
+    """Registered by the plugin in every pytest process that runs tests; idle unless asked."""
+
+    def __init__(self, config: pytest.Config, run: SmolRun, limit: int) -> None:
+        self.config = config
+        self.run = run
+        self.limit = limit
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.flights: dict[pytest.Item, _Flight] = {}
+        self.key: tuple[Any, ...] | None = None
+        self.upcoming: pytest.Item | None = None  # the next item, when it joins those in flight
+        self.final: pytest.Item | None = None  # while draining: the item pytest runs next
+        self.setups: dict[tuple[Any, ...], BaselineSetup | None] = {}
+        self.timeouts: dict[pytest.Item, float] = {}
+        self.failure: BaseException | None = None
+        self.premades: list[premade.Premade] = []
+        self._worker: Any = None  # xdist's WorkerInteractor, in a worker
+        self._indices: dict[int, int] = {}
+
+    # -------------------------------------------------------------- which items
+
+    def takes(self, item: pytest.Item) -> int:
+        """The item's concurrency limit if it runs here, else 0."""
+        known = item.stash.get(_TAKES_KEY, None)
+        if known is None:
+            known = item.stash[_TAKES_KEY] = self._limit(item)
+        return known if known > 1 else 0
+
+    def _limit(self, item: pytest.Item) -> int:
+        if type(item) is not pytest.Function or not inspect.iscoroutinefunction(item.obj):
+            return 0
+        if not GUEST_FIXTURES & set(item.fixturenames) or "anyio_backend" in item.fixturenames:
+            return 0  # anyio (and pytest-asyncio, below) run the tests they claim, one at a time
+        if item.get_closest_marker("anyio") or item.get_closest_marker("asyncio"):
+            return 0
+        option = item.config.option
+        if option.usepdb or getattr(option, "trace", False) or option.setuponly or option.setupplan:
+            return 0  # a debugger or a setup-only run wants pytest's own order
+        limit = marker_limit(item)
+        return limit if limit is not None else self.limit
+
+    # -------------------------------------------------------------- hooks
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        if not self.takes(item):
+            if self.flights:
+                self._guarded(lambda: self._drain(item))
+            return None
+        assert isinstance(item, pytest.Function)
+        self._guarded(lambda: self._submit(item, nextitem))
+        return True
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
+        try:
+            return (yield)
+        finally:
+            if self.flights:  # the loop ended under us (an error elsewhere): nothing stays in flight
+                self._abort()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+            None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        times = item.stash.get(_TIMES_KEY, None)
+        if times is not None and report.when == "call":
+            report.start, report.duration = times  # the body's time, not its replay's
+            report.stop = report.start + report.duration
+        return report
+
+    @pytest.hookimpl(tryfirst=True, optionalhook=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        if not self.takes(item):
+            return None
+        self.timeouts[item] = float(settings.timeout)
+        return True
+
+    @pytest.hookimpl(tryfirst=True, optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
+        return True if self.takes(item) else None
+
+    def pytest_sessionfinish(self) -> None:
+        for made in self.premades:  # a create still under way must end before the pool closes
+            made.done.wait(ABORT_SECONDS)
+        self.premades.clear()
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
+
+    # -------------------------------------------------------------- the loop
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            import asyncio
+
+            self.loop = asyncio.new_event_loop()
+        return self.loop
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except BaseException:
+            self._abort()
+            raise
+
+    def _run_until(self, done: Callable[[], bool]) -> None:
+        import asyncio
+
+        loop = self._loop()
+        while not done():
+            tasks = {f.task for f in self.flights.values() if f.task is not None}
+            if not tasks:
+                break
+            loop.run_until_complete(asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED))
+            if self.failure is not None:
+                failure, self.failure = self.failure, None
+                raise failure
+
+    def _submit(self, item: pytest.Function, nextitem: pytest.Item | None) -> None:
+        key = group_key(item)
+        if self.flights and key != self.key:
+            self._drain(item)
+        self.key = key
+        limit = self.takes(item)
+        self._run_until(lambda: len(self.flights) < limit)
+        session = item.session
+        if session.shouldfail or session.shouldstop:
+            self._drain(nextitem)  # a -x failure met while waiting: this one is not started
+            return
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        flight = _Flight(item, self.timeouts.pop(item, None))
+        self.flights[item] = flight
+        flight.task = self._loop().create_task(self._episode(flight))
+        if (nextitem is not None and not (session.shouldfail or session.shouldstop)
+                and self.takes(nextitem) and group_key(nextitem) == key):
+            self.upcoming = nextitem
+            self._step()
+        else:
+            self._drain(nextitem)
+
+    def _step(self) -> None:
+        """One turn of the loop: the new task starts (its guest's create begins)."""
+        import asyncio
+
+        self._loop().run_until_complete(asyncio.sleep(0))
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
+
+    def _drain(self, nextitem: pytest.Item | None) -> None:
+        self.upcoming, self.final = None, nextitem
+        try:
+            self._run_until(lambda: not self.flights)
+        finally:
+            self.final, self.key = None, None
+
+    def _abort(self) -> None:
+        """Cancel everything in flight and let each task tear its item down; bounded."""
+        import asyncio
+
+        flights = list(self.flights.values())
+        for flight in flights:
+            flight.interrupted = True
+            if flight.task is not None:
+                flight.task.cancel()
+        tasks = {f.task for f in flights if f.task is not None and not f.task.done()}
+        if tasks and self.loop is not None and not self.loop.is_running():
+            self.loop.run_until_complete(asyncio.wait(tasks, timeout=ABORT_SECONDS))
+        self.flights.clear()
+        self.upcoming = self.final = self.key = None
+        self.failure = None
+
+    # -------------------------------------------------------------- one item
+
+    async def _episode(self, flight: _Flight) -> None:
+        item = flight.item
+        finished = False
+        try:
+            if hasattr(item, "_request") and not item._request:
+                item._initrequest()  # a re-run (pytest-rerunfailures), as pytest's runtestprotocol does
+            await self._provision(flight)
+            report = self._phase(flight, "setup")
+            if report.passed:
+                await self._body(flight)
+                item.stash[REPLAY_KEY] = flight.outcome
+                self._phase(flight, "call")
+            self._phase(flight, "teardown", nextitem=self._next_after(item))
+            finished = True
+        except BaseException as exc:
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not flight.interrupted:
+                self.failure = exc  # a failure of the runner itself: raised in the main loop
+            raise
+        finally:
+            if not finished:
+                self._teardown_quietly(flight)
+            self.flights.pop(item, None)
+            if flight.premade is not None:
+                flight.premade.abandon()  # a guest nobody took (the test did not use smol_vm)
+            if REPLAY_KEY in item.stash:
+                del item.stash[REPLAY_KEY]
+            if hasattr(item, "_request"):
+                item._request = False  # type: ignore[assignment]  # as pytest's runtestprotocol does
+                item.funcargs = None  # type: ignore[assignment]
+            if finished:
+                item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+    def _next_after(self, item: pytest.Item) -> pytest.Item | None:
+        """What teardown may keep set up: a sibling in flight or next in line, else pytest's next."""
+        for other in self.flights:
+            if other is not item:
+                return other
+        if self.upcoming is not None:
+            return self.upcoming
+        if item.session.shouldfail or item.session.shouldstop:
+            return None
+        return self.final
+
+    async def _provision(self, flight: _Flight) -> None:
+        item = flight.item
+        if "smol_vm" not in item.fixturenames or self.run.plan is None or self.key not in self.setups:
+            return  # the first guest of the run, or of this group: made in its setup, as usual
+        loop = self._loop()
+        ready = loop.create_future()
+
+        def wake() -> None:
+            def settle() -> None:
+                if not ready.done():
+                    ready.set_result(None)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass  # the loop has closed: nobody waits any more
+
+        assert self.key is not None
+        flight.premade = premade.start(item, self.run, self.setups[self.key], wake)
+        if flight.premade is None:
+            return
+        self.premades = [p for p in self.premades if not p.done.is_set()]
+        self.premades.append(flight.premade)
+        await ready
+
+    def _phase(self, flight: _Flight, when: str, **kwds: Any) -> pytest.TestReport:
+        item = flight.item
+        if flight.detached is not None:
+            attach(item, flight.detached)
+            flight.detached = None
+        worker, current = self._xdist_worker(), None
+        if worker is not None:
+            # xdist's worker labels each report with the index of the test it is running and
+            # checks that the report is that test's: while this item's phase runs, it is.
+            current, worker.item_index = worker.item_index, self._index(item)
+        try:
+            return call_and_report(item, when, **kwds)  # type: ignore[arg-type]
+        finally:
+            if worker is not None:
+                worker.item_index = current
+            if when == "setup" and self.key is not None and premade.SETUP_KEY in item.stash:
+                self.setups.setdefault(self.key, item.stash[premade.SETUP_KEY])
+            if when != "teardown":
+                flight.detached = detach(item)
+
+    def _xdist_worker(self) -> Any:
+        if self._worker is None and hasattr(self.config, "workerinput"):
+            self._worker = next((p for p in self.config.pluginmanager.get_plugins()
+                                 if type(p).__name__ == "WorkerInteractor"), False)
+        return self._worker or None
+
+    def _index(self, item: pytest.Item) -> int:
+        if not self._indices:
+            self._indices = {id(each): i for i, each in enumerate(item.session.items)}
+        return self._indices[id(item)]
+
+    async def _body(self, flight: _Flight) -> None:
+        import asyncio
+
+        item = flight.item
+        arguments = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+        started, clock = time.time(), time.perf_counter()
+        body: Coroutine[Any, Any, Any] = item.obj(**arguments)
+        try:
+            await asyncio.wait_for(body, flight.timeout)
+        except asyncio.TimeoutError:
+            flight.outcome = pytest.fail.Exception(
+                f"Timeout (>{flight.timeout:g}s) from pytest-timeout: the test's task was cancelled and its "
+                "guest commands killed (pytest-smolvm --smol-concurrency)", pytrace=False)
+        except asyncio.CancelledError as exc:
+            if flight.interrupted:
+                raise
+            flight.outcome = exc  # the test's own code was cancelled: its failure, nobody else's
+        except Exception as exc:
+            flight.outcome = exc
+        finally:
+            item.stash[_TIMES_KEY] = (started, time.perf_counter() - clock)
+
+    def _teardown_quietly(self, flight: _Flight) -> None:
+        """After an interrupt: the item's finalizers (its fixtures, its guest), no report."""
+        item = flight.item
+        if flight.detached is not None:
+            attach(item, flight.detached)
+            flight.detached = None
+        state = item.session._setupstate
+        if item not in state.stack:
+            return
+        others = [other for other in self.flights if other is not item]
+        try:
+            state.teardown_exact(others[0] if others else None)
+        except BaseException as exc:  # the interrupt goes on; the pool destroys what is left
+            import warnings
+
+            warnings.warn(pytest.PytestWarning(f"pytest-smolvm: tearing down {item.nodeid} after an "
+                                               f"interrupt: {type(exc).__name__}: {exc}"), stacklevel=1)

@@ -1,0 +1,78 @@
+"""The smol backend's branch coalescer: batches when requests overlap, falls back when a batch fails."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_smolvm.backends.smol.batching import BranchBatcher
+
+
+@dataclass
+class Child:
+    name: str
+
+
+@dataclass
+class FakeSource:
+    batch_error: Exception | None = None
+    wrong_children: bool = False
+    calls: list[tuple[str, list[str]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    gate: threading.Event = field(default_factory=threading.Event)
+
+    def branch(self, name: str) -> Child:
+        with self.lock:
+            self.calls.append(("branch", [name]))
+        self.gate.wait(5)  # the first branch is slow: the others arrive while it is under way
+        return Child(name)
+
+    def branch_batch(self, *, names: list[str]) -> list[Child]:
+        with self.lock:
+            self.calls.append(("batch", list(names)))
+        if self.batch_error is not None:
+            raise self.batch_error
+        return [Child(n + "-other" if self.wrong_children else n) for n in names]
+
+
+def _fan_out(source: FakeSource, count: int) -> tuple[dict[str, Any], list[Any]]:
+    batcher = BranchBatcher(window=0.2)
+    deleted: list[Any] = []
+    got: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: got.setdefault("g0", batcher.branch("src", source, "g0", deleted.append)))
+    first.start()
+    while not source.calls:
+        pass
+    rest = [threading.Thread(target=lambda n=f"g{i}": got.setdefault(n, batcher.branch("src", source, n,
+                                                                                      deleted.append)))
+            for i in range(1, count)]
+    for thread in rest:
+        thread.start()
+    source.gate.set()
+    for thread in [first, *rest]:
+        thread.join(10)
+    return got, deleted
+
+
+def test_overlapping_requests_share_one_batch_call() -> None:
+    source = FakeSource()
+    got, deleted = _fan_out(source, 6)
+    assert {name: child.name for name, child in got.items()} == {f"g{i}": f"g{i}" for i in range(6)}
+    assert source.calls[0] == ("branch", ["g0"])  # alone: a plain branch, no window waited
+    assert source.calls[1][0] == "batch" and len(source.calls) < 6  # the five overlapping ones: batched
+    assert deleted == []
+
+
+def test_a_failed_batch_falls_back_to_one_branch_each() -> None:
+    source = FakeSource(batch_error=RuntimeError("no batch route"))
+    got, _ = _fan_out(source, 4)
+    assert sorted(got) == ["g0", "g1", "g2", "g3"]
+    assert sorted(names[0] for kind, names in source.calls if kind == "branch") == ["g0", "g1", "g2", "g3"]
+
+
+def test_children_nobody_asked_for_are_deleted() -> None:
+    source = FakeSource(wrong_children=True)
+    got, deleted = _fan_out(source, 4)
+    assert sorted(child.name for child in got.values()) == ["g0", "g1", "g2", "g3"]
+    assert sorted(child.name for child in deleted) == ["g1-other", "g2-other", "g3-other"]

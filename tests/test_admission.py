@@ -1,0 +1,84 @@
+"""Admission control: host-wide bounds on guests alive and being created, shared by processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.session import admission
+
+HOLD_SLOT_0 = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_gate_is_shared_by_processes_and_threads(smol_state: Path) -> None:
+    gate = admission.Gate("test", 2)
+    (smol_state / "admission").mkdir(parents=True, exist_ok=True)
+    other = subprocess.Popen([sys.executable, "-c", HOLD_SLOT_0, str(smol_state / "admission" / "test-0.lock")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        first = gate.acquire()
+        assert first.index == 1  # slot 0 is another process's
+        waited = threading.Event()
+        got: list[admission.Slot] = []
+        third = threading.Thread(target=lambda: got.append(gate.acquire(waited.set)))
+        third.start()
+        assert waited.wait(10), "a full gate must say that the caller waits"
+        assert not got
+        first.release()
+        third.join(10)
+        assert [slot.index for slot in got] == [1]
+        assert gate.peak == 2  # slot 1 taken: slot 0 was held at that moment
+        got[0].release()
+    finally:
+        other.kill()
+        other.wait()
+        gate.close()
+
+
+WAITING = """
+    import pytest
+    from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+
+    NamespaceBackend.guest_host_mb = 10**9  # this host "holds" one guest: the others must wait
+
+    @pytest.mark.smol_episodes(3, concurrency=3)
+    async def test_held_back(smol_vm):
+        assert (await smol_vm.aio.exec("sleep 1; echo in")).stdout == "in\\n"  # holds its guest a while
+"""
+
+
+def test_tests_wait_for_admission_and_say_so(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(test_wait=WAITING)
+    result = pytester.runpytest_subprocess("-v", "-p", "no:anyio")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*test_held_back?ep*: waiting for admission (1 guests alive on this host)"])
+    result.stdout.fnmatch_lines(["smolvm: admission: peak held on this host: 1 of 1 alive, 1 of * creating*"])
+
+
+def test_the_summary_reports_the_peak_held(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(test_peak="""
+        import asyncio
+        import pytest
+
+        ARRIVED = set()
+
+        @pytest.mark.smol_episodes(4, concurrency=4)
+        async def test_all_alive(smol_vm, smol_episode):
+            ARRIVED.add(smol_episode.index)
+            while len(ARRIVED) < 4:
+                await asyncio.sleep(0.05)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:anyio")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["smolvm: admission: peak held on this host: 4 of * alive, * creating*"])

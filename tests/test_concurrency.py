@@ -1,0 +1,219 @@
+"""--smol-concurrency: async guest tests in flight together, each its own item; every path destroys.
+
+Concurrency is shown by a barrier, never by timing: the tests of a scenario wait (in their
+guest-holding body) until all of them have arrived, which only happens if they are in flight
+together; run one at a time, the first would wait alone and fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.leaks import assert_host_clean
+
+BARRIER = """
+    import asyncio
+
+    ARRIVED = set()
+
+    async def together(name, n):
+        # Returns once n tests are in flight at once; run one at a time, the first waits alone.
+        ARRIVED.add(name)
+        for _ in range(400):
+            if len(ARRIVED) >= n:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"only {sorted(ARRIVED)} of {n} tests were in flight together")
+"""
+
+EPISODES = BARRIER + """
+    import pytest
+
+    @pytest.mark.smol_episodes(4, seed=1)
+    async def test_episode(smol_vm, smol_episode, tmp_path):
+        await smol_vm.aio.write_file("/tmp/me", f"{smol_episode.index}\\n")
+        (tmp_path / "mine").write_text(str(smol_episode.index))  # function fixtures are per test
+        await together(smol_episode.index, 4)
+        r = await smol_vm.aio.exec("cat /tmp/me; hostname")
+        assert r.stdout.splitlines()[0] == str(smol_episode.index)  # its own guest, still
+        assert (tmp_path / "mine").read_text() == str(smol_episode.index)
+        smol_episode.record(smol_episode.index / 10, guest=smol_vm.name)
+
+    def test_sync_is_untouched(smol_vm):
+        assert smol_vm.exec("echo sync").stdout == "sync\\n"
+"""
+
+
+def _junit_cases(path: Path) -> dict[str, str]:
+    cases = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = child.tag
+        cases[case.get("name", "")] = outcome
+    return cases
+
+
+def test_each_test_in_flight_is_its_own_item(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(test_eps=EPISODES)
+    junit, results = pytester.path / "junit.xml", pytester.path / "results.jsonl"
+    result = pytester.runpytest_subprocess("--smol-concurrency=4", "-v", "-p", "no:anyio",
+                                           f"--junitxml={junit}", f"--smol-results={results}")
+    result.assert_outcomes(passed=5)
+    for i in range(4):  # each its own verbose line, in whatever order they finish
+        result.stdout.fnmatch_lines([f"*test_episode?ep{i}? PASSED*"])
+    assert _junit_cases(junit) == {**{f"test_episode[ep{i}]": "passed" for i in range(4)},
+                                   "test_sync_is_untouched": "passed"}
+    lines = [json.loads(raw) for raw in results.read_text().splitlines()]
+    episodes = sorted((line for line in lines if line["episode"] is not None), key=lambda line: line["episode"])
+    assert [line["reward"] for line in episodes] == [0.0, 0.1, 0.2, 0.3]
+    assert [line["info"]["guest"] for line in episodes] == [line["vms"][0] for line in episodes]
+    assert len({line["vms"][0] for line in lines}) == 5  # a guest of its own each
+    assert all(line["durations"]["call"] > 0 for line in episodes)
+
+
+def test_concurrency_multiplies_with_workers(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # loadfile: each worker gets one module, whose 4 episodes must all be in flight together
+    pytester.makepyfile(test_a=EPISODES, test_b=EPISODES)
+    results = pytester.path / "results.jsonl"
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "--smol-concurrency=4",
+                                           "-p", "no:anyio", f"--smol-results={results}")
+    result.assert_outcomes(passed=10)
+    lines = [json.loads(raw) for raw in results.read_text().splitlines()]
+    assert len(lines) == 10 and len({line["worker"] for line in lines}) == 2
+
+
+MIXED = BARRIER + """
+    import pytest
+
+    @pytest.fixture
+    def broken():
+        raise RuntimeError("this fixture broke")
+
+    async def test_passes(smol_vm):
+        await together("passes", 5)
+        assert (await smol_vm.aio.exec("echo ok")).stdout == "ok\\n"
+
+    async def test_fails(smol_vm):
+        await together("fails", 5)
+        assert 1 == 2, "its own failure"
+
+    async def test_errors(smol_vm, broken):
+        pass
+
+    @pytest.mark.timeout(3)
+    async def test_times_out(smol_vm):
+        await together("times_out", 5)
+        await smol_vm.aio.exec("sleep 600")
+
+    async def test_cancelled(smol_vm):
+        await together("cancelled", 5)
+        raise asyncio.CancelledError()
+
+    async def test_outlives_the_others(smol_vm):
+        await together("outlives", 5)
+        await asyncio.sleep(5)  # past the timeout and every other teardown: its guest is still here
+        assert (await smol_vm.aio.exec("echo still")).stdout == "still\\n"
+"""
+
+
+def test_every_outcome_among_many_destroys_its_own_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile(test_mixed=MIXED)
+    result = pytester.runpytest_subprocess("--smol-concurrency=6", "-rA", "-p", "no:anyio")
+    result.assert_outcomes(passed=2, failed=3, errors=1)
+    for line in ("PASSED *test_passes", "PASSED *test_outlives_the_others",
+                 "ERROR *test_errors - RuntimeError: this fixture broke",
+                 "FAILED *test_fails - AssertionError: its own failure",
+                 "FAILED *test_times_out - Failed: Timeout (>3s) from pytest-time*",
+                 "FAILED *test_cancelled - *CancelledError"):
+        result.stdout.fnmatch_lines([line])
+    assert_host_clean(smol_state)
+
+
+INTERRUPTED = """
+    import os
+    from pathlib import Path
+
+    import pytest
+
+    MARKS = Path(os.environ["MARKS"])
+
+    @pytest.fixture
+    def own(request):
+        yield
+        (MARKS / ("torn-down-" + request.node.name)).touch()
+
+    @pytest.mark.smol_episodes(4)
+    async def test_long(smol_vm, smol_episode, own):
+        (MARKS / f"started-{smol_episode.index}").touch()
+        await smol_vm.aio.exec("sleep 600")
+"""
+
+
+def test_ctrl_c_destroys_every_test_in_flight(pytester: pytest.Pytester, smol_state: Path,
+                                              tmp_path: Path) -> None:
+    pytester.makepyfile(test_long=INTERRUPTED)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "MARKS": str(marks)}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "--smol-concurrency=4", "-p", "no:anyio",
+                             "-p", "no:cacheprovider"], cwd=pytester.path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(marks.glob("started-*"))) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(list(marks.glob("started-*"))) == 4, "the four episodes never were in flight together"
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, output  # pytest's "interrupted"
+    assert "KeyboardInterrupt" in output
+    assert sorted(p.name for p in marks.glob("torn-down-*")) == [f"torn-down-test_long[ep{i}]" for i in range(4)]
+    assert_host_clean(smol_state)
+
+
+def test_bad_concurrency_is_one_line(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol_episodes(2, concurrency=0)
+        async def test_x(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("--smol-concurrency=many")
+    result.stderr.fnmatch_lines(["*--smol-concurrency=many: expected a positive integer*"])
+    result = pytester.runpytest_subprocess("-p", "no:anyio")
+    result.stdout.fnmatch_lines(["*smol_episodes(concurrency=0): expected a positive integer*"])
+
+
+def test_exitfirst_finishes_what_is_in_flight_and_starts_nothing(pytester: pytest.Pytester,
+                                                                   smol_state: Path) -> None:
+    pytester.makepyfile(test_x="""
+        import asyncio
+        import pytest
+
+        @pytest.mark.smol_episodes(6, concurrency=3)
+        async def test_x(smol_vm, smol_episode):
+            if smol_episode.index == 1:
+                raise AssertionError("the first failure")
+            await smol_vm.aio.exec("sleep 1")
+    """)
+    result = pytester.runpytest_subprocess("-x", "-p", "no:anyio")
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == 1 and outcomes.get("passed", 0) < 5, outcomes  # -x stopped the rest
+    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    assert_host_clean(smol_state)
