@@ -205,3 +205,31 @@ def test_a_create_cut_off_by_a_test_timeout_ends_recorded_and_destroyed(
     result = pytester.runpytest_subprocess("--smol-max-vms=50", "-p", "no:randomly", timeout=300)
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*Timeout*"])
+
+
+GUEST_FROM_A_BLOCKING_THREAD = """
+import signal, sys
+from pytest_smolvm import Session
+from pytest_smolvm.host.signals import start_thread
+
+out = {}
+def make_and_run():
+    # The first guest starts the namespace helper from this thread, which blocks SIGTERM as
+    # every thread the plugin starts does; the guest must not inherit that mask.
+    with Session(backend="namespace") as session:
+        vm = session.create("blocked-thread")
+        out["term"] = vm.exec(["sh", "-c", "kill -TERM $$"], timeout=30).exit_code
+        out["mask"] = vm.exec("grep SigBlk /proc/self/status").stdout.split()[-1]
+start_thread(make_and_run, name="blocking").join()
+print(out["term"], out["mask"])
+"""
+
+
+def test_guests_made_from_a_thread_that_blocks_signals_start_with_none_blocked(smol_state: Path) -> None:
+    """Threads the plugin starts block SIGINT/SIGTERM/SIGHUP; a signal mask survives fork and exec,
+    so the namespace helper started from one gave every guest process that mask, and a guest
+    command's own `kill -TERM $$` did nothing (Inspect's fast-signal-death check saw exit 0)."""
+    done = subprocess.run([sys.executable, "-c", GUEST_FROM_A_BLOCKING_THREAD], capture_output=True, text=True,
+                          timeout=120, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["143", "0000000000000000"], done.stdout + done.stderr

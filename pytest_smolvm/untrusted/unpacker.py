@@ -71,6 +71,7 @@ def _child(config: dict[str, Any], root_fd: int, stream_fd: int, result_fd: int,
 
 
 def main() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())  # not the mask of the host thread that started us
     try:
         import pyseccomp
     except (ImportError, OSError):

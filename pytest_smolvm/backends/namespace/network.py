@@ -67,6 +67,7 @@ table inet smolvm_egress {
 # cannot fool it. SIGTERM is ignored so that a terminal's ^C kills pasta through the init only.
 _WATCHER = """
 import os, select, signal, subprocess, sys
+signal.pthread_sigmask(signal.SIG_SETMASK, ())  # pasta gets no mask from the host thread that started us
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
 p = subprocess.Popen(sys.argv[3:], pass_fds=[int(f) for f in sys.argv[2].split(",")], stdin=subprocess.DEVNULL)

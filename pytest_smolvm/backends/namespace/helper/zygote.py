@@ -253,6 +253,10 @@ def _shed_boot_memory() -> None:
 
 def main() -> None:
     # argv (see namespace.Zygote): "-c" "_nsguest.py" FD TAG; the tag only marks whose helper this is.
+    # A signal mask is inherited through fork and exec, and the host thread that started us may
+    # block SIGINT/SIGTERM/SIGHUP (host/signals.py): every guest process would inherit that, and
+    # a guest's `kill -TERM $$` would do nothing. Guests start with nothing blocked.
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     _preload()
     _shed_boot_memory()
     zygote(socket.socket(fileno=int(sys.argv[2])))
