@@ -32,6 +32,26 @@ def _attack_names() -> list[str]:
 
 @pytest.fixture(scope="module")
 def unprivileged_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The outcomes, from the one run of this pytest session: under xdist the module's tests are
+    spread over the workers, and each would otherwise run the whole suite as nobody again."""
+    import json
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one dir for every worker of this run
+    saved = shared / "unprivileged-outcomes.json"
+    with FileLock(str(shared / "unprivileged-outcomes.lock")):
+        if saved.exists():
+            found: dict[str, str] = json.loads(saved.read_text())
+            return found
+        outcomes = _run_as_nobody()
+        saved.write_text(json.dumps(outcomes))
+        return outcomes
+
+
+def _run_as_nobody() -> dict[str, str]:
     if os.geteuid() != 0:
         pytest.skip("needs root to switch to another user for the run")
     if shutil.which("setpriv") is None:
