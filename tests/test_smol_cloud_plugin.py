@@ -53,7 +53,9 @@ def run_cli(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.Com
                           text=True, timeout=timeout, env=os.environ.copy())
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "n2"])
+# -n 2 only: the serial half of both already runs in this session (tests/backends' smol-cloud
+# params, the cloud tests below); -n 2 adds the plan service and shared machines across workers.
+@pytest.mark.parametrize("workers", [["-n", "2"]], ids=["n2"])
 def test_example_suite_runs_on_smol_cloud(pytester: pytest.Pytester, cloud: LoopbackCloud, token: str,
                                           workers: list[str]) -> None:
     shutil.copytree(EXAMPLES, pytester.path / "examples")
@@ -80,7 +82,7 @@ def test_example_suite_runs_on_smol_cloud(pytester: pytest.Pytester, cloud: Loop
         assert request["labels"]["pytest-smolvm"] == "1" and request["labels"]["owner_host"]
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "n2"])
+@pytest.mark.parametrize("workers", [["-n", "2"]], ids=["n2"])  # serial: tests/backends runs it in-session
 def test_conformance_suite_runs_against_the_same_server(cloud: LoopbackCloud, token: str,
                                                         workers: list[str]) -> None:
     """tests/backends' smol-cloud half, with the plugin's smol options, on a server we check after."""
