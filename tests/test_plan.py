@@ -25,6 +25,14 @@ def test_nothing_heavy_was_imported():
     heavy = [m for m in ("smol", "pytest_smolvm.session.pool", "pytest_smolvm.session.plan", "pytest_smolvm.backends",
                          "pytest_smolvm.handle.vm", "zstandard") if m in sys.modules]
     assert heavy == []
+
+def test_nor_the_parts_a_guest_test_needs():
+    # pytest compiles each imported module of the plugin afresh where it cannot cache its
+    # rewrite (PYTHONDONTWRITEBYTECODE, a read-only site-packages): these stay unloaded.
+    unused = [m for m in ("pytest_smolvm.evals.episodes", "pytest_smolvm.plugin.concurrency",
+                          "pytest_smolvm.plugin.artifacts", "pytest_smolvm.plugin.premade",
+                          "pytest_smolvm.plugin.reporting") if m in sys.modules]
+    assert unused == []
 """
 
 
@@ -43,7 +51,7 @@ def test_an_unused_plugin_does_nothing(pytester: pytest.Pytester, monkeypatch: p
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     pytester.makepyfile(NO_GUEST_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
     out = result.stdout.str().replace("plugins: smolvm-", "plugins: ")  # pytest's own plugin list
     assert "smolvm" not in out  # no header line, no summary section
     assert _files_under(cache, state, xdg) == []  # no probe cache, no registry, no unpacked baseline

@@ -40,10 +40,6 @@ if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
 
 EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
-MARKER = ("smol_episodes(n, seed=0, concurrency=1): run this test as n episodes (ids ep0..ep{n-1}), each "
-          "with a fresh guest and a deterministic seed, up to `concurrency` at once (async def tests); the "
-          "smol_episode fixture records rewards (pytest-smolvm)")
-RESULT_ATTR = "smolvm_result"  # on the teardown report
 REWARD_PROPERTY = "smolvm_reward"
 SCHEMA_VERSION = 2  # 2: cause and artifacts (docs/evals.md); readers take 1 as well
 _CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
@@ -203,9 +199,8 @@ EPISODE_KEY = pytest.StashKey[Episode]()
 REPORTS_KEY = pytest.StashKey[_Reports]()
 
 
-def install(config: pytest.Config, run: SmolRun) -> None:
-    """Called from the plugin's pytest_configure."""
-    config.addinivalue_line("markers", MARKER)
+def install(config: pytest.Config, run: SmolRun) -> EpisodesPlugin:
+    """From the plugin, when result lines or episodes are first due (see hooks.episodes_plugin)."""
     workerinput = xdist.worker_input(config)
     results = run.settings.results
     if workerinput is not None:
@@ -217,6 +212,35 @@ def install(config: pytest.Config, run: SmolRun) -> None:
     if glue is not None:
         glue.tell_workers(xdist.RESULTS_PATH,
                           lambda: str(plugin.results.resolve()) if plugin.results is not None else "")
+    return plugin
+
+
+def parametrize(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``smol_episodes(n)`` becomes n cases, ids ``ep0``..; from the plugin's
+    ``pytest_generate_tests``, which runs after ordinary parametrize so ids read "task-ep0"."""
+    mark = metafunc.definition.get_closest_marker("smol_episodes")
+    if mark is None:
+        return
+    try:
+        n, seed = parse_marker(mark, metafunc.definition.nodeid)
+    except ValueError as exc:
+        problem = str(exc)
+    else:
+        problem = ""
+    if problem:  # failed outside the except block, so pytest shows no chained second copy
+        pytest.fail(problem, pytrace=False)  # a collection error of one line, like parametrize's own
+    specs = [EpisodeSpec(i, episode_seed(seed, i), n) for i in range(n)]
+    # The test does not ask for the internal argname; adding it to the closure is how a plugin
+    # parametrizes a test over an argument it does not take (pytest-repeat does the same).
+    metafunc.fixturenames.append(EPISODE_ARG)
+    metafunc.parametrize(EPISODE_ARG, specs, ids=[f"ep{i}" for i in range(n)])
+
+
+def episode_of(item: pytest.Item) -> Episode:
+    """The ``smol_episode`` fixture's value: this case's episode (index 0 of 1 without the marker)."""
+    episode = Episode(_spec_of(item) or EpisodeSpec(0, episode_seed(0, 0), 1))
+    item.stash[EPISODE_KEY] = episode
+    return episode
 
 
 class EpisodesPlugin:
@@ -228,37 +252,6 @@ class EpisodesPlugin:
         self.controller = controller
         self.lines: list[dict[str, Any]] = []  # controller: every result line seen, for the summary
         self.write_failed = False
-
-    # -------------------------------------------------------------- collection
-
-    @pytest.hookimpl(trylast=True)  # after ordinary parametrize, so ids read "task-ep0"
-    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        mark = metafunc.definition.get_closest_marker("smol_episodes")
-        if mark is None:
-            return
-        try:
-            n, seed = parse_marker(mark, metafunc.definition.nodeid)
-        except ValueError as exc:
-            problem = str(exc)
-        else:
-            problem = ""
-        if problem:  # failed outside the except block, so pytest shows no chained second copy
-            pytest.fail(problem, pytrace=False)  # a collection error of one line, like parametrize's own
-        specs = [EpisodeSpec(i, episode_seed(seed, i), n) for i in range(n)]
-        # The test does not ask for the internal argname; adding it to the closure is how a plugin
-        # parametrizes a test over an argument it does not take (pytest-repeat does the same).
-        metafunc.fixturenames.append(EPISODE_ARG)
-        metafunc.parametrize(EPISODE_ARG, specs, ids=[f"ep{i}" for i in range(n)])
-
-    @pytest.fixture
-    def smol_episode(self, request: pytest.FixtureRequest) -> Episode:
-        """This episode: .index, .seed and .record(reward, **info).
-
-        Without a smol_episodes marker the test is a single episode (index 0).
-        """
-        episode = Episode(_spec_of(request.node) or EpisodeSpec(0, episode_seed(0, 0), 1))
-        request.node.stash[EPISODE_KEY] = episode
-        return episode
 
     # -------------------------------------------------------------- results
 
@@ -275,7 +268,7 @@ class EpisodesPlugin:
             line = self.result_line(item, reports)
             # An attribute, not a user property: xdist carries it to the controller all the same
             # (reports travel as their __dict__), and JUnit XML is spared a JSON blob per test.
-            setattr(report, RESULT_ATTR, line)
+            setattr(report, xdist.RESULT_ATTR, line)
             if line.get("reward") is not None:
                 report.user_properties = [*report.user_properties, (REWARD_PROPERTY, line["reward"])]
             self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
@@ -346,7 +339,7 @@ class EpisodesPlugin:
         if not self.controller:
             return
         if report.when == "teardown":
-            line = getattr(report, RESULT_ATTR, None)
+            line = getattr(report, xdist.RESULT_ATTR, None)
             if isinstance(line, dict):
                 self.lines.append(line)
         elif str(report.when) == "???":  # xdist's report for a test whose worker died under it

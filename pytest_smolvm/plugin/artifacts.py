@@ -65,16 +65,15 @@ SETTINGS_KEY = pytest.StashKey[SinkSettings]()
 
 
 def install(config: pytest.Config, run: SmolRun) -> None:
-    """Called from the plugin's pytest_configure."""
+    """From the guest fixture, before this process's first guest (the controller told workers
+    the resolved directory at configure: see hooks.py)."""
+    if SETTINGS_KEY in config.stash:
+        return
     artifacts = run.settings.artifacts
     workerinput = xdist.worker_input(config)
     if workerinput is not None and workerinput.get(xdist.ARTIFACTS_DIR):
         artifacts = Path(workerinput[xdist.ARTIFACTS_DIR])  # the controller's view of a relative path wins
     config.stash[SETTINGS_KEY] = SinkSettings(run.settings.logs, artifacts)
-    glue = xdist.controller(config)
-    if glue is not None and artifacts is not None:
-        resolved = str(artifacts.resolve())
-        glue.tell_workers(xdist.ARTIFACTS_DIR, lambda: resolved)
 
 
 def _state(item: pytest.Item) -> _ItemState:

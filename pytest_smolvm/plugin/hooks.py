@@ -2,7 +2,10 @@
 
 Nothing here does work at startup: ``pytest_configure`` reads options and registers hooks.
 The run's plan is made, and this process's guest pool started, when a test first asks for a
-guest (see ``run.py``). A project without guest tests pays for option parsing and nothing else.
+guest (see ``run.py``). A project without guest tests pays for option parsing and nothing else:
+pytest compiles every module of an entry-point plugin afresh through its assertion rewriter
+wherever it cannot cache (``PYTHONDONTWRITEBYTECODE``, a read-only site-packages), so the
+episodes, artifacts and concurrency parts are imported, and registered, only when first due.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import pytest
 
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
-from pytest_smolvm.evals import episodes
 from pytest_smolvm.host import progress
-from pytest_smolvm.plugin import artifacts, concurrency, hookspecs, premade, reporting, xdist
+from pytest_smolvm.plugin import hookspecs, xdist
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
 if TYPE_CHECKING:
+    from pytest_smolvm.evals.episodes import Episode, EpisodesPlugin
     from pytest_smolvm.handle.vm import VM
     from pytest_smolvm.session.pool import LiveGuest
 
@@ -70,12 +73,14 @@ def pytest_configure(config: pytest.Config) -> None:
         glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
         glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
         glue.on_worker_down(lambda crashed: _after_worker(run, crashed))
-        config.pluginmanager.register(_FirstTest(run), "smolvm-first-test")
+        config.pluginmanager.register(_FirstTest(config, run), "smolvm-first-test")
         config.stash[PROBLEMS_KEY] = glue.problems
         config.stash[WORK_KEY] = glue.work
-    episodes.install(config, run)
-    artifacts.install(config, run)
-    config.pluginmanager.register(concurrency.ConcurrentRunner(config, run, settings.concurrency), "smolvm-concurrency")
+        if settings.artifacts is not None:
+            resolved = str(settings.artifacts.resolve())  # a relative path means the same dir to every worker
+            glue.tell_workers(xdist.ARTIFACTS_DIR, lambda: resolved)
+    if settings.results is not None:  # result lines were asked for: their writer is due from the start
+        episodes_plugin(config)
     if workerinput is None and hasattr(config.hook, "pytest_html_results_summary"):  # pytest-html installed
         from pytest_smolvm.plugin.html_section import HtmlSection
 
@@ -100,22 +105,65 @@ def _after_worker(run: SmolRun, crashed: bool) -> None:
         reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
 
+def episodes_plugin(config: pytest.Config) -> EpisodesPlugin:
+    """The results and episodes plugin, registered when first due: ``--smol-results``, a
+    ``smol_episodes`` marker, the ``smol_episode`` fixture, or (in xdist's controller) the first
+    result line a worker sends."""
+    found: EpisodesPlugin | None = config.pluginmanager.get_plugin("smolvm-episodes")
+    if found is None:
+        from pytest_smolvm.evals import episodes
+
+        found = episodes.install(config, config.stash[RUN_KEY])
+    return found
+
+
+@pytest.hookimpl(trylast=True)  # after ordinary parametrize, so ids read "task-ep0"
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("smol_episodes") is not None:
+        episodes_plugin(metafunc.config)
+        from pytest_smolvm.evals import episodes
+
+        episodes.parametrize(metafunc)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Only an ``async def`` guest test can run concurrently; a suite without one never loads the runner.
+    coroutines = [item for item in session.items if inspect.iscoroutinefunction(getattr(item, "obj", None))]
+    if coroutines:
+        from pytest_smolvm.plugin.async_tests import GUEST_FIXTURES
+
+        if all(GUEST_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())) for item in coroutines):
+            return
+        from pytest_smolvm.plugin import concurrency
+
+        run = session.config.stash[RUN_KEY]
+        session.config.pluginmanager.register(
+            concurrency.ConcurrentRunner(session.config, run, run.settings.concurrency), "smolvm-concurrency")
+
+
 class _FirstTest:
     """The xdist controller runs no test itself: its signals are routed once a worker's test starts."""
 
-    def __init__(self, run: SmolRun) -> None:
+    def __init__(self, config: pytest.Config, run: SmolRun) -> None:
+        self.config = config
         self.run = run
 
     def pytest_runtest_logstart(self) -> None:
         if self.run.plan is not None:
             self.run.install_signals()  # guests exist now: SIGTERM/SIGHUP must reach sessionfinish
 
-    def pytest_runtest_logreport(self) -> None:
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         # The first tests start before any worker has asked for the plan; their setup reports
         # come after it: without this, a SIGTERM during the first tests killed the controller
         # outright (exit -15, nothing reaped).
         if self.run.plan is not None:
             self.run.install_signals()
+        # A worker's result line (or xdist's report of a test whose worker died) is the first the
+        # controller hears of episodes: their summary needs the plugin from this report on.
+        registered = self.config.pluginmanager.has_plugin("smolvm-episodes")
+        if not registered and (hasattr(report, xdist.RESULT_ATTR) or str(report.when) == "???"):
+            episodes_plugin(self.config).pytest_runtest_logreport(report)  # registered after this call began
 
 
 @pytest.hookimpl(trylast=True)
@@ -142,12 +190,15 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if run.is_worker or run.plan is None:
         return  # no guest was ever asked for: nothing to say
     from pytest_smolvm.host.registry import records
+    from pytest_smolvm.plugin import reporting
 
     kept = [r for r in records() if r.kept and r.run_id == run.run_id]
     problems: list[str] = config.stash[PROBLEMS_KEY]
     lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
                                     problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
     found = xdist.controller(config)
+    from pytest_smolvm.plugin import reporting
+
     lines += reporting.admission_lines(_admission_peaks(), *(found.admission if found is not None else []))
     if lines:
         terminalreporter.section("smolvm")
@@ -169,8 +220,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         # counted in the test's duration they would skew --durations, JUnit and the results.
         report.duration = max(0.0, report.duration - item.stash[DECISION_KEY])
     item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
-    guests = item.stash.get(GUESTS_KEY, [])
-    artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
+    guests = item.stash.get(GUESTS_KEY, None)
+    if guests is not None:  # the test asked for a guest
+        from pytest_smolvm.plugin import artifacts
+
+        artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
     return report
 
 
@@ -194,10 +248,12 @@ def _fail_setup(message: str) -> NoReturn:
 def smol_vm_factory(request: pytest.FixtureRequest,
                     smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
     """Make guests on demand: smol_vm_factory(**marker_keywords); all destroyed at teardown."""
+    from pytest_smolvm.plugin import artifacts, premade
     from pytest_smolvm.session.warm import BaselineSetup
 
     item = request.node
     run = request.config.stash[RUN_KEY]
+    artifacts.install(request.config, run)
     try:
         setup: BaselineSetup | None = BaselineSetup.from_config(request.config, smol_baseline_setup)
         base_spec: MarkerSpec | None = marker_spec(item)
@@ -276,6 +332,18 @@ def smol_baseline_setup() -> Sequence[str]:
     pytest_smolvm_prepare_baseline hook is the same thing for code that needs the VM handle.
     """
     return ()
+
+
+@pytest.fixture
+def smol_episode(request: pytest.FixtureRequest) -> Episode:
+    """This episode: .index, .seed and .record(reward, **info).
+
+    Without a smol_episodes marker the test is a single episode (index 0).
+    """
+    episodes_plugin(request.config)  # its line is due at teardown
+    from pytest_smolvm.evals import episodes
+
+    return episodes.episode_of(request.node)
 
 
 @pytest.fixture

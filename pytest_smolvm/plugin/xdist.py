@@ -23,6 +23,8 @@ RESULTS_PATH = "smolvm_results"  # the controller's resolved --smol-results path
 PROBLEMS = "smolvm_problems"  # teardown problems the worker met, for the controller's summary
 WORK = "smolvm_work"  # the worker's long host-side work (pulls, unpacks), for the summary
 ADMISSION = "smolvm_admission"  # {gate: [peak held host-wide as the worker saw it, bound]}
+# on a test's teardown report (reports travel to the controller as their __dict__)
+RESULT_ATTR = "smolvm_result"  # the test's --smol-results line (evals/episodes.py)
 
 CONTROLLER_NAME = "smolvm-xdist"
 

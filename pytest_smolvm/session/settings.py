@@ -334,4 +334,7 @@ MARKERS = (
     "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
     "user=None, output_limit=None, relax=[]): guest settings for this test's smol_vm; relax turns off "
     "parts of a namespace guest's confinement: seccomp, limits (pytest-smolvm)",
+    "smol_episodes(n, seed=0, concurrency=1): run this test as n episodes (ids ep0..ep{n-1}), each with a "
+    "fresh guest and a deterministic seed, up to `concurrency` at once (async def tests); the smol_episode "
+    "fixture records rewards (pytest-smolvm)",
 )
