@@ -161,6 +161,51 @@ def test_size_caps_leave_a_visible_marker(pytester: pytest.Pytester, smol_state:
     assert "more than 8000 bytes" in notes, notes
 
 
+def test_a_collected_tree_deeper_than_pythons_recursion_limit_is_measured_and_dropped(
+        pytester: pytest.Pytester, smol_state: Path) -> None:
+    # 1,200 nested directories hold 100 bytes of data, within the copy's byte cap; their own sizes
+    # then put the copy over the budget. Measuring and removing it must not recurse per level:
+    # a RecursionError left the whole tree on the host and the test's artifacts unsaved.
+    pytester.makeconftest("""
+        import dataclasses
+        from pytest_smolvm import limits
+
+        limits.LIMITS = dataclasses.replace(limits.LIMITS, artifacts_bytes=10_000)
+
+        def pytest_smolvm_collect_artifacts(item, vm):
+            return ["/deep"]
+    """)
+    pytester.makepyfile("""
+        def test_deep(smol_vm):
+            r = smol_vm.exec("d=/deep/$(printf 'd/%.0s' $(seq 1200)); mkdir -p $d && head -c 100 /dev/zero > $d/f")
+            assert r.exit_code == 0, r.stderr
+            assert False
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-artifacts=art")
+    result.assert_outcomes(failed=1)
+    (test_dir,) = (pytester.path / "art").iterdir()
+    notes = (test_dir / "notes.txt").read_text()
+    assert "/deep: dropped:" in notes and "exceed the" in notes, notes
+    assert not (test_dir / "files" / "deep").exists()
+    assert "could not save artifacts" not in result.stdout.str()
+
+
+def test_a_rerun_replaces_its_artifacts_under_an_artifacts_dir_that_is_a_link(
+        pytester: pytest.Pytester, smol_state: Path) -> None:
+    # The dir the user names may be a link (to a bigger disk, say): it is theirs, resolved as a
+    # path; only what lies under it is walked by fd.
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(FAILING)
+    (pytester.path / "real").mkdir()
+    (pytester.path / "art").symlink_to("real")
+    for _ in range(2):
+        result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-artifacts=art")
+        result.assert_outcomes(failed=1, passed=1)
+        assert "could not save artifacts" not in result.stdout.str(), result.stdout.str()
+    (test_dir,) = (pytester.path / "real").iterdir()
+    assert (test_dir / "files" / "workspace" / "out" / "answer.txt").read_text() == "partial answer\n"
+
+
 @pytest.mark.skipif(not _has_module("allure_pytest"), reason="allure-pytest is not installed")
 def test_allure_gets_an_attachment(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile(FAILING)

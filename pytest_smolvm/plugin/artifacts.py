@@ -26,7 +26,6 @@ import importlib
 import os
 import posixpath
 import re
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ import pytest
 
 from pytest_smolvm import limits
 from pytest_smolvm.plugin import xdist
+from pytest_smolvm.untrusted import walk
 from pytest_smolvm.untrusted.inert import inert
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ def save(item: pytest.Item, guests: list[LiveGuest], *, collect: bool) -> Path |
         return None
     state.saved = True
     if directory.exists():  # a rerun of the same test: its dir describes the latest attempt
-        shutil.rmtree(directory)
+        walk.rmtree(directory)  # guest copies in it: any depth, no link followed
     directory.mkdir(parents=True)
     notes: list[str] = []
     transcripts, logs = [], []
@@ -283,37 +283,24 @@ def _copy_out(live: LiveGuest, path: str, files: Path, budget: int, notes: list[
         # never reaches the host's disk to be measured afterwards.
         if dest.is_symlink() or dest.exists():
             fresh = dest.with_name(f".{dest.name}.smolvm-collect")
-            _remove(fresh)
+            walk.rmtree(fresh)
             try:
                 live.vm.copy_out("/" + relative, fresh, max_bytes=budget)
-                _remove(dest)
+                walk.rmtree(dest)
                 os.replace(fresh, dest)
             finally:
-                _remove(fresh)
+                walk.rmtree(fresh)
         else:
             live.vm.copy_out("/" + relative, dest, max_bytes=budget)
     except Exception as exc:
         notes.append(f"{live.vm.name}:{path}: not copied ({budget} bytes were left of the "
                      f"{limits.LIMITS.artifacts_bytes}-byte budget per test): {type(exc).__name__}: {exc}")
         return budget
-    size = _tree_size(dest)
+    size = walk.tree_bytes(dest)
     if size > budget:
         # Copied whole, then dropped: a partial tree would look complete, an absent one does not.
-        shutil.rmtree(dest) if dest.is_dir() and not dest.is_symlink() else dest.unlink()
+        walk.rmtree(dest)
         notes.append(f"{live.vm.name}:{path}: dropped: {size} bytes exceed the {budget} bytes left of the "
                      f"{limits.LIMITS.artifacts_bytes}-byte budget per test")
         return 0
     return budget - size
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def _tree_size(path: Path) -> int:
-    if not path.is_dir() or path.is_symlink():
-        return path.lstat().st_size
-    return sum(p.lstat().st_size for p in path.rglob("*"))

@@ -73,7 +73,10 @@ class Extractor(TreeWalker):
                 self.member(tar, member)
             except (OSError, OverflowError, ValueError) as exc:  # e.g. ENOSPC, an absurd mtime or uid
                 raise UnsafeArchive(f"{self.policy.what}: cannot unpack {member.name[:200]!r}: {exc}") from exc
-        self.finish()
+        try:
+            self.finish()
+        except (OSError, OverflowError, ValueError) as exc:  # a directory's absurd mtime, say
+            raise UnsafeArchive(f"{self.policy.what}: cannot finish unpacking: {exc}") from exc
 
     def member(self, tar: TarReader, member: Member) -> None:
         parts = self._parts(member.name)
@@ -281,9 +284,15 @@ class Extractor(TreeWalker):
         for parts, raw in self.symlinks:
             if not self._resolves_inside(parts):
                 raise self._refuse(raw, "its link resolves outside the copied tree (through other links)")
-        for name, mode, mtime in reversed(self.directories):
+        # In stream order, each directory is one step from its parent's cached fd. Deepest first
+        # only where a mode would take away our own search right before its subdirs are done.
+        searchable = all(mode & 0o100 for _, mode, _ in self.directories)
+        for name, mode, mtime in self.directories if searchable else reversed(self.directories):
+            parts = name.split("/")
+            above = tuple(parts[:-1])
             try:
-                fd = self._open_dir(name.split("/"), name, create=False)
+                parent = self._dir(above, name, create=False)
+                fd = self._walk(parts[-1:], name, create=False, start=(parent, self._resolved[above]))[0]
             except (UnsafeArchive, FileNotFoundError):
                 continue  # replaced by a later member
             try:
@@ -291,6 +300,8 @@ class Extractor(TreeWalker):
                 os.utime(fd, (mtime, mtime))
             finally:
                 os.close(fd)
+                while self._stale:  # forgotten by the cache while its fd was in use above
+                    os.close(self._stale.pop())
 
 
 def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:

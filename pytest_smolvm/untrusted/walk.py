@@ -7,9 +7,11 @@ destination's own fd, and links judged by resolving them in the finished tree, n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pytest_smolvm.errors import UnsafeArchive
@@ -23,6 +25,7 @@ class TreeWalker:
         self.policy = policy
         self.root_fd = os.open(dest, DIR_FLAGS)
         self._dirs: dict[tuple[str, ...], int] = {}  # parent dirs walked, by their parts
+        self._resolved: dict[tuple[str, ...], list[str]] = {}  # what each resolved to (a layer's dir links)
         self._stale: list[int] = []
         self._last_head: str | None = None  # the last checked name's dir part, and its parts
         self._last_parts: list[str] = []
@@ -73,9 +76,15 @@ class TreeWalker:
         In a layer, a symlink whose target (resolved here, within the tree) is an existing
         directory is followed: images have ``/lib -> usr/lib``. Nothing else is.
         """
+        return self._walk(parts, name, create=create, follow=follow)[0]
+
+    def _walk(self, parts: list[str], name: str, *, create: bool, follow: bool | None = None,
+              start: tuple[int, list[str]] | None = None) -> tuple[int, list[str]]:
+        """:meth:`_open_dir` from ``start`` (a walked dir's fd and its resolved components, which
+        ``parts`` continue) or the root; also returns the components the fd resolved to."""
         follow = self.policy.layer if follow is None else follow
-        fd = os.dup(self.root_fd)
-        stack: list[str] = []
+        fd = os.dup(start[0] if start is not None else self.root_fd)
+        stack: list[str] = list(start[1]) if start is not None else []
         queue = list(parts)
         hops = 0
         try:
@@ -116,7 +125,7 @@ class TreeWalker:
                 os.close(fd)
                 fd = next_fd
                 stack.append(comp)
-            return fd
+            return fd, stack
         except BaseException:
             os.close(fd)
             raise
@@ -141,17 +150,29 @@ class TreeWalker:
         An fd names the directory itself: only a removal (which empties this cache) can make
         a walked path mean another directory, and nothing else changes what a path resolves to.
         """
-        key = tuple(parts[:-1])
+        return self._dir(tuple(parts[:-1]), name, create=True)
+
+    def _dir(self, key: tuple[str, ...], name: str, *, create: bool) -> int:
+        """The cached fd of the directory ``key``, walked one step from its own parent's when
+        that is cached (a stream lists a directory before its entries, so a chain of N nested
+        directories costs N opens, not N²/2), else from the root."""
         fd = self._dirs.get(key)
-        if fd is None:
-            if len(self._dirs) >= DIR_CACHE:
-                self._forget()
-            fd = self._dirs[key] = self._open_dir(parts[:-1], name, create=True)
+        if fd is not None:
+            return fd
+        if len(self._dirs) >= DIR_CACHE:
+            self._forget()
+        above = self._dirs.get(key[:-1]) if key else None
+        if above is not None:
+            fd, resolved = self._walk(list(key[-1:]), name, create=create, start=(above, self._resolved[key[:-1]]))
+        else:
+            fd, resolved = self._walk(list(key), name, create=create)
+        self._dirs[key], self._resolved[key] = fd, resolved
         return fd
 
     def _forget(self) -> None:
         self._stale.extend(self._dirs.values())
         self._dirs.clear()
+        self._resolved.clear()
 
     def _resolves_inside(self, parts: list[str]) -> bool:
         """Whether the link at ``parts`` stays in the copied tree, resolved as the kernel would.
@@ -218,6 +239,9 @@ class TreeWalker:
 # At most OPEN_FDS of the stack's fds are held (the confined helper may open 256 in all); a level
 # closed to keep that bound is opened again by name from its nearest open parent, O_NOFOLLOW.
 OPEN_FDS = 32
+# The directory a caller names (an --smol-artifacts dir may well be a link to a bigger disk):
+# its path is the caller's, so it is resolved as one; nothing under it is.
+CALLERS_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass
@@ -237,19 +261,33 @@ def _rmtree_at(parent_fd: int, base: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(base, dir_fd=parent_fd)
         return
-    levels = [_enter(parent_fd, base)]
+
+    def unlink(dir_fd: int, entry: os.DirEntry[str]) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.name, dir_fd=dir_fd)
+
+    _walk_down(parent_fd, base, unlink, lambda above_fd, name: os.rmdir(name, dir_fd=above_fd), writable=True)
+
+
+def _walk_down(parent_fd: int, base: str, on_entry: Callable[[int, os.DirEntry[str]], None],
+               on_dir_done: Callable[[int, str], None], *, writable: bool) -> None:
+    """Every entry under the directory ``base`` at any depth, depth first, by fd: ``on_entry``
+    for each non-directory (with its dir's fd), ``on_dir_done`` for each directory once its
+    subdirs are done (with the fd of the dir above it). At most OPEN_FDS fds held at any depth."""
+    levels = [_enter(parent_fd, base, on_entry, writable)]
     try:
         while levels:
             top = levels[-1]
             if top.subdirs:
-                levels.append(_enter(_level_fd(levels, len(levels) - 1, parent_fd), top.subdirs.pop()))
+                levels.append(_enter(_level_fd(levels, len(levels) - 1, parent_fd), top.subdirs.pop(), on_entry,
+                                     writable))
                 _bound(levels)
                 continue
             levels.pop()
             if top.fd >= 0:
                 os.close(top.fd)
                 top.fd = -1
-            os.rmdir(top.name, dir_fd=_level_fd(levels, len(levels) - 1, parent_fd) if levels else parent_fd)
+            on_dir_done(_level_fd(levels, len(levels) - 1, parent_fd) if levels else parent_fd, top.name)
     finally:
         for level in levels:
             if level.fd >= 0:
@@ -261,7 +299,7 @@ def rmtree(path: str | os.PathLike[str]) -> None:
     Only ``path``'s parent is resolved as a path: it is the caller's, not the guest's."""
     parent, base = os.path.split(os.path.abspath(path))
     try:
-        fd = os.open(parent, DIR_FLAGS)
+        fd = os.open(parent, CALLERS_DIR)
     except FileNotFoundError:
         return
     try:
@@ -270,11 +308,42 @@ def rmtree(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _enter(parent_fd: int, name: str) -> _Level:
-    """Open ``name``, make it writable, remove every non-directory in it, list its subdirs."""
+def tree_bytes(path: str | os.PathLike[str]) -> int:
+    """The size of everything under ``path`` (a copy the extractor made) as ``lstat`` gives it,
+    at any depth, by fd (no link followed, no recursion); a missing ``path`` is 0."""
+    try:
+        st = os.lstat(path)  # ``path`` itself is the caller's
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total = 0
+
+    def count(dir_fd: int, entry: os.DirEntry[str]) -> None:
+        nonlocal total
+        total += entry.stat(follow_symlinks=False).st_size
+
+    def count_dir(above_fd: int, name: str) -> None:
+        nonlocal total
+        total += os.stat(name, dir_fd=above_fd, follow_symlinks=False).st_size
+
+    parent, base = os.path.split(os.path.abspath(path))
+    fd = os.open(parent, CALLERS_DIR)
+    try:
+        _walk_down(fd, base, count, count_dir, writable=False)
+    finally:
+        os.close(fd)
+    return total
+
+
+def _enter(parent_fd: int, name: str, on_entry: Callable[[int, os.DirEntry[str]], None], writable: bool) -> _Level:
+    """Open ``name``, hand every non-directory in it to ``on_entry``, list its subdirs; with
+    ``writable``, make it writable (and openable) first."""
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except PermissionError:  # a 0000 dir, as a user: ours to open up, through an O_PATH fd of it
+        if not writable:
+            raise
         path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
         try:
             os.chmod(f"/proc/self/fd/{path_fd}", 0o700)
@@ -283,16 +352,14 @@ def _enter(parent_fd: int, name: str) -> _Level:
         fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     level = _Level(name, fd)
     try:
-        os.fchmod(fd, 0o700)  # a 0555 dir from the stream must not keep its entries
+        if writable:
+            os.fchmod(fd, 0o700)  # a 0555 dir from the stream must not keep its entries
         with os.scandir(fd) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     level.subdirs.append(entry.name)
                 else:
-                    try:
-                        os.unlink(entry.name, dir_fd=fd)
-                    except FileNotFoundError:
-                        pass
+                    on_entry(fd, entry)
     except BaseException:
         os.close(fd)
         raise
