@@ -151,3 +151,24 @@ def test_a_save_cut_in_half_by_a_dead_writer_is_swept_by_the_reaper(split_dirs: 
         path.write_text("{")
     reaper.reap_orphans()
     assert not cut.exists() and under_way.exists()
+
+
+def test_the_sweep_leaves_another_hosts_saves_in_a_shared_state_dir(split_dirs: tuple[Path, Path]) -> None:
+    """A state dir shared between hosts (NFS, a CI volume) holds other hosts' saves under way:
+    their writer's pid means nothing here, however dead it looks."""
+    from pytest_smolvm.host import registry
+    from pytest_smolvm.session import reaper
+
+    _, state = split_dirs
+    record = registry.Record.for_this_process("smol-x-main-5", "smol", "run", "main", "t")
+    record.save()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ours = f".smol-x-main-6.{dead.pid}@{registry._host_tag()}.tmp"
+    theirs = f".smol-x-main-7.{dead.pid}@0123456789ab.tmp"
+    for name in (ours, theirs):
+        (state / "registry" / name).write_text("{")
+    reaper.reap_orphans()
+    assert not (state / "registry" / ours).exists()
+    assert (state / "registry" / theirs).exists()
+    assert sorted(p.name for p in (state / "registry").iterdir()) == [theirs, "smol-x-main-5.json"]

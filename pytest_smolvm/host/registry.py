@@ -87,7 +87,7 @@ class Record:
         do: the dir is made only when missing, and the fields are flat apart from ``data``.
         """
         directory = str(registry_dir(self.backend))
-        tmp = os.path.join(directory, f".{self.name}.{os.getpid()}.tmp")  # named so in _nsguest._clean_after_owner too
+        tmp = os.path.join(directory, f".{self.name}.{_writer(self.backend)}.tmp")
         payload = json.dumps(vars(self)).encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
@@ -175,20 +175,40 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
 
 
 def sweep_partial_saves() -> None:
-    """Remove the temp files of saves whose writer died in the middle (``.NAME.PID.tmp``).
+    """Remove the temp files of saves whose writer died in the middle (``.NAME.PID[@HOST].tmp``).
 
     A process killed between a save's open and its rename leaves one, and when its helper was
     killed too nobody else knows of it. Only dead writers' files: a live process's save is
     still under way.
     """
+    here = _host_tag()
     for directory in registry_dirs():
         if not directory.is_dir():
             continue
         for path in directory.glob(".*.tmp"):
-            writer = path.name.rsplit(".", 2)[-2]
-            if writer.isdigit() and process_start_time(int(writer)) is None:
+            pid, _, host = path.name.rsplit(".", 2)[-2].partition("@")
+            if host not in ("", here):
+                continue  # another host's save (a shared state dir): its pid means nothing here
+            if pid.isdigit() and process_start_time(int(pid)) is None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+
+
+def _writer(backend: str) -> str:
+    """Who a save's temp file is from: the pid, and outside the host's own runtime dir (the
+    state dir may be shared between hosts) the host too. The namespace helper names its
+    own saves ``.NAME.PID.tmp`` when it cleans up after a dead owner (helper/zygote.py)."""
+    return str(os.getpid()) if backend in HOST_BOUND_BACKENDS else f"{os.getpid()}@{_host_tag()}"
+
+
+def _host_tag() -> str:
+    """A short name for this host, boot and pid namespace: where a pid means something."""
+    if "tag" not in _OWN_START:
+        import hashlib
+
+        _OWN_START["tag"] = hashlib.sha256("\0".join(host_facts()).encode()).hexdigest()[:12]
+    tag: str = _OWN_START["tag"]
+    return tag
 
 
 def orphaned(record: Record, *, include_kept: bool = False, include_unknown_host: bool = False) -> bool:
