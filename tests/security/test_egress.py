@@ -178,9 +178,10 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
     assert _pasta_processes(smol_state) == []
 
 
-def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
-    """A normal user's guest (a user namespace) gets the same NAT and the same fence as root's:
-    it used to be refused, and before that it was given the host's network."""
+def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str,
+                                             stand_in_dns: tuple[Path, Path]) -> None:
+    """A normal user's guest (a user namespace) gets the same NAT, the same fence and the same DNS
+    proxy as root's: it used to be refused, and before that it was given the host's network."""
     from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
 
     if shutil.which("setpriv") is None or _nobody_cannot_import():
@@ -209,11 +210,17 @@ def test_nat(smol_vm, host_server):
         assert smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}").exit_code != 0, addr
     assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
     assert smol_vm.exec("ip route del 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
+    assert "{OTHER_HOST}" in smol_vm.exec("nslookup -type=a other.test").stdout
+    assert "allowed dns other.test A (1x)" in smol_vm.logs()
 
-@pytest.mark.smol(allow_hosts=["{stand_in_internet}"])
+@pytest.mark.smol(allow_hosts=["{stand_in_internet}", "allowed.test"])
 def test_allowlist(smol_vm):
     assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo ok").stdout
     assert smol_vm.exec("nc -z -w 2 {OTHER_HOST} 8080").exit_code != 0
+    assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://allowed.test:8080/ >/dev/null && echo ok").stdout
+    assert smol_vm.exec("nslookup -type=a other.test").exit_code != 0
+    log = smol_vm.logs()
+    assert "allowed dns allowed.test A" in log and "refused dns other.test A (1x)" in log, log
 """)
         for sub in ("state", "cache", "tmp"):
             (home / sub).mkdir()
@@ -222,9 +229,9 @@ def test_allowlist(smol_vm):
         env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
                "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
                "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
-        result = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
-             "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
+        result = subprocess.run(_with_resolver(stand_in_dns[0], [
+            "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+            "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")]),
             cwd=home, env=env, capture_output=True, text=True, timeout=300)
         assert "2 passed" in result.stdout, result.stdout + result.stderr
         assert _pasta_processes(home) == []

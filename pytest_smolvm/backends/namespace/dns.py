@@ -44,8 +44,8 @@ MORE_NAMES = "(more names)"  # ledger rows that are no name: their spaces cannot
 MALFORMED = "(malformed queries)"
 
 
-def host_resolver(path: str = "/etc/resolv.conf") -> str | None:
-    """The first ``nameserver`` of the host's resolver configuration; None if there is none."""
+def host_resolver(path: str = "/etc/resolv.conf") -> tuple[str, int] | None:
+    """The first ``nameserver`` of the host's resolver configuration, port 53; None if there is none."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
@@ -53,7 +53,7 @@ def host_resolver(path: str = "/etc/resolv.conf") -> str | None:
     for line in text.splitlines():
         fields = line.split()
         if len(fields) >= 2 and fields[0] == "nameserver":
-            return fields[1].split("%")[0]
+            return fields[1].split("%")[0], 53
     return None
 
 
@@ -67,7 +67,8 @@ class _Name:
 class GuestDns:
     """One guest's proxy socket, its policy and its ledger of names."""
 
-    def __init__(self, sock: socket.socket, upstream: str | None, names: Mapping[str, list[str]] | None) -> None:
+    def __init__(self, sock: socket.socket, upstream: tuple[str, int] | None,
+                 names: Mapping[str, list[str]] | None) -> None:
         self.sock = sock
         self.upstream = upstream
         self.names = None if names is None else {n.lower().rstrip("."): list(a) for n, a in names.items()}
@@ -243,7 +244,7 @@ class _Proxy:
             _send(guest, dnswire.error_reply(query.ident, query.flags, dnswire.SERVFAIL, query.question), client)
             return
         try:
-            family = socket.AF_INET6 if ":" in guest.upstream else socket.AF_INET
+            family = socket.AF_INET6 if ":" in guest.upstream[0] else socket.AF_INET
             up_sock = socket.socket(family, socket.SOCK_DGRAM)
         except OSError:  # out of fds: the guest's query fails, the proxy goes on
             _send(guest, dnswire.error_reply(query.ident, query.flags, dnswire.SERVFAIL, query.question), client)
@@ -251,7 +252,7 @@ class _Proxy:
         ident = int.from_bytes(os.urandom(2), "big")  # unguessable: an off-path reply must guess it
         try:
             up_sock.setblocking(False)
-            up_sock.connect((guest.upstream, 53))  # the kernel then drops datagrams from anyone else
+            up_sock.connect(guest.upstream)  # the kernel then drops datagrams from anyone else
             up_sock.send(dnswire.forward_query(ident, query))
         except OSError:
             up_sock.close()
@@ -264,7 +265,16 @@ class _Proxy:
     def _reply(self, sel: selectors.BaseSelector, up_sock: socket.socket,
                waiting: dict[socket.socket, _Upstream]) -> None:
         up = waiting[up_sock]
-        while (data := _recv(up_sock, 4096)) is not None:
+        while True:
+            try:
+                data = up_sock.recv(4096, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # refused (an ICMP error): no answer will come
+                self._close_upstream(sel, up_sock, waiting)
+                _send(up.guest, dnswire.error_reply(up.query.ident, up.query.flags, dnswire.SERVFAIL,
+                                                    up.query.question), up.client)
+                return
             reply = dnswire.upstream_reply(data, up.ident, up.query)
             if reply is not None:
                 self._close_upstream(sel, up_sock, waiting)
@@ -308,7 +318,7 @@ def _send(guest: GuestDns, data: bytes, client: tuple[str, int]) -> None:
 PROXY = _Proxy()
 
 
-def serve(sock_fd: int, upstream: str | None, names: Mapping[str, list[str]] | None) -> GuestDns:
+def serve(sock_fd: int, upstream: tuple[str, int] | None, names: Mapping[str, list[str]] | None) -> GuestDns:
     """Serve the guest socket ``sock_fd`` (now the proxy's): ``names`` None forwards every name to
     ``upstream``; a mapping answers those names only, from their addresses."""
     guest = GuestDns(socket.socket(fileno=sock_fd), upstream, names)
