@@ -61,6 +61,14 @@ def test_anything_but_one_plain_question_gets_an_error_reply(data: bytes, code: 
     assert parsed.reply[:2] == data[:2] and parsed.reply[2] & 0x80 and rcode(parsed.reply) == code
 
 
+@pytest.mark.parametrize("first", [0xC0, 0x80, 0x40], ids=["pointer", "reserved-10", "extended-01"])
+def test_a_compression_pointer_is_never_followed(first: int) -> None:
+    # After a label, so that the pointer's target (offset 12) would be a well-formed name again.
+    data = struct.pack("!HHHHHH", 7, 0x100, 1, 0, 0, 0) + b"\1a" + bytes([first, 12]) + b"\0\1\0\1"
+    parsed = dnswire.parse_query(data)
+    assert isinstance(parsed, dnswire.Bad) and "compression pointer" in parsed.why
+
+
 def test_a_name_of_exactly_255_bytes_is_fine() -> None:
     name = b".".join([b"a" * 63] * 3 + [b"a" * 61])  # 3*64 + 62 + root = 255
     assert isinstance(dnswire.parse_query(query(name)), dnswire.Question)
