@@ -495,3 +495,42 @@ def test_bad_queries_get_error_replies_and_the_proxy_serves_on(
     result = _run_with_resolver(pytester, conf)
     result.assert_outcomes(passed=1)
     assert _pasta_processes(smol_state) == []
+
+
+def test_the_proxy_leaves_no_thread_or_fd_once_its_guests_are_gone(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_dns: tuple[Path, Path]) -> None:
+    """Through the library API, in a process of its own: after close, no proxy thread, and no fd
+    the run opened (the guests' DNS sockets, the upstream sockets, the thread's selector) is left."""
+    conf, _asked = stand_in_dns
+    script = pytester.path / "run.py"
+    script.write_text("""
+import os, threading, time
+import pytest_smolvm
+
+def fds():
+    return {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+with pytest_smolvm.Session(backend="namespace") as session:
+    session.create()  # a first run in a fresh cache keeps a socket of its own: not the proxy's
+before = fds()
+with pytest_smolvm.Session(backend="namespace") as session:
+    for keywords in ({"network": True}, {"allow_hosts": ["allowed.test"]}, {"network": True}):
+        vm = session.create(**keywords)
+        assert "10.231.0.2" in vm.exec("nslookup -type=a allowed.test").stdout
+        assert any(t.name == "smolvm-dns-proxy" for t in threading.enumerate())
+        session.destroy(vm)
+def left():
+    threads = sorted(t.name for t in threading.enumerate() if t.name == "smolvm-dns-proxy")
+    return threads, {fd: what for fd, what in fds().items() if fd not in before and what.startswith(("socket", "anon"))}
+
+deadline = time.monotonic() + 10  # close waited for every destroy; the thread ends right after
+while left() != ([], {}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("threads:", left()[0])
+print("sockets left:", left()[1])
+""")
+    result = pytester.run(*_with_resolver(conf, [sys.executable, str(script)]), timeout=240)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["threads: []", "sockets left: {}"])
+    assert _pasta_processes(smol_state) == []
