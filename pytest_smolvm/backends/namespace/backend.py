@@ -141,7 +141,7 @@ class NamespaceBackend:
             try:
                 guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)
                 dns_fd = guest.namespaces.pop("dns", -1)
-                if dns_fd >= 0:  # allow_hosts: its names only, answered from their creation-time addresses
+                if dns_fd >= 0:  # network=True: every name, asked of the host's resolver; allow_hosts: its own
                     guest.dns = _nsdns.serve(dns_fd, _nsdns.host_resolver() if allowed is None else None,
                                              allowed[1] if allowed is not None else None)
                 guest.nat = _nsnet.start_nat(guest.pid, scratch, guest.namespaces,
