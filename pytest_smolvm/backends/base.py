@@ -79,17 +79,30 @@ class BackendOptions:
 
 @dataclass(frozen=True)
 class EgressAttempt:
-    """One destination a guest tried to reach, and whether its allowlist let it."""
+    """One destination a guest tried to reach, and whether its allowlist let it; or (protocol
+    ``dns``) one name it asked its DNS proxy for, and whether the proxy answered it."""
 
-    address: str
-    protocol: str  # "tcp" or "udp"
-    port: int
+    address: str  # dns: the name, escaped by the proxy's parser (guest bytes, made inert)
+    protocol: str  # "tcp", "udp" or "dns"
+    port: int  # dns: 0
     allowed: bool
-    connections: int  # new flows (a TCP SYN or a UDP flow's first datagram) to it
+    connections: int  # new flows (a TCP SYN or a UDP flow's first datagram) to it; dns: queries
+    types: str = ""  # dns: the record types asked ("A,AAAA")
 
     def render(self) -> str:
         verdict = "allowed" if self.allowed else "refused"
+        if self.protocol == "dns":
+            return f"{verdict} dns {self.address}{' ' + self.types if self.types else ''} ({self.connections}x)"
         return f"{verdict} {self.protocol} {self.address}:{self.port} ({self.connections}x)"
+
+
+def egress_counts(rows: Sequence[EgressAttempt]) -> dict[str, int]:
+    """A results line's ``egress``: connections allowed and refused, names asked and refused."""
+    flows = [a for a in rows if a.protocol != "dns"]
+    names = [a for a in rows if a.protocol == "dns"]
+    return {"allowed": sum(a.connections for a in flows if a.allowed),
+            "refused": sum(a.connections for a in flows if not a.allowed),
+            "dns_names": len(names), "dns_refused": sum(1 for a in names if not a.allowed)}
 
 
 @dataclass(frozen=True)

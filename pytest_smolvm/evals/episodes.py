@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_smolvm.backends.base import egress_counts
 from pytest_smolvm.evals import causes
 from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
@@ -305,8 +306,7 @@ class EpisodesPlugin:
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
-            "egress": {"allowed": sum(a.connections for g in guests for a in g.egress if a.allowed),
-                       "refused": sum(a.connections for g in guests for a in g.egress if not a.allowed)},
+            "egress": egress_counts([a for g in guests for a in g.egress]),
             "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,
             "baseline_digest": first.digest if first else None,

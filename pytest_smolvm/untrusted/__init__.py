@@ -1,6 +1,7 @@
 """Everything that reads bytes a guest or an image made: the tar parser (``tarstream``), the
 caps and policies (``rules``), fd-only tree walks (``walk``), the extractor (``hostfs``), the
-same extractor in a confined helper process (``confined``), and text made inert (``inert``).
+same extractor in a confined helper process (``confined``), text made inert (``inert``), and
+guests' DNS queries (``dnswire``).
 
 The host never resolves a path inside a tree the guest wrote: every consumer goes through
 ``confined.extract``, and the in-process walker is the second wall. Imports only the standard

@@ -7,6 +7,7 @@ Root only: making the stand-in needs CAP_NET_ADMIN on the host.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +25,36 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is No
 INTERNET_HOST = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
 OTHER_HOST = "10.231.0.3"  # the stand-in internet's second host: not on any allowlist
+DNS_HOST = "10.231.0.4"  # the stand-in internet's DNS server: not on any allowlist either
+STAND_IN_NAMES = {"allowed.test": INTERNET_HOST, "other.test": OTHER_HOST}
+_current: dict[str, str] = {}  # the stand-in internet's namespace, while it exists (one at a time)
+
+# The stand-in internet's DNS server, at argv[2]:53: an A record for each name of the JSON map
+# argv[3], NXDOMAIN for anything else; every name it is asked for goes to its log (argv[1]).
+DNS_SERVER = """
+import json, socket, struct, sys
+names = json.loads(sys.argv[3])
+log = open(sys.argv[1], "a", buffering=1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[2], 53))
+while True:
+    data, peer = s.recvfrom(4096)
+    at, labels = 12, []
+    while data[at]:
+        labels.append(data[at + 1:at + 1 + data[at]].decode(errors="replace"))
+        at += 1 + data[at]
+    qtype = struct.unpack_from("!H", data, at + 1)[0]
+    name = ".".join(labels).lower()
+    log.write(name + "\\n")
+    question = data[12:at + 5]
+    found = names.get(name)
+    answers = [found] if found and qtype == 1 else []
+    flags = 0x8180 if found else 0x8183
+    reply = struct.pack("!HHHHHH", struct.unpack_from("!H", data)[0], flags, 1, len(answers), 0, 0) + question
+    for a in answers:
+        reply += struct.pack("!HHHIH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton(a)
+    s.sendto(reply, peer)
+"""
 
 
 @pytest.fixture
@@ -49,15 +80,42 @@ def _stand_in_internet() -> Iterator[str]:
                     ["ip", "-n", ns, "addr", "add", f"{OTHER_HOST}/24", "dev", "eth0"],
                     ["ip", "-n", ns, "link", "set", "eth0", "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]):
             subprocess.run(cmd, check=True)
+        _current["ns"] = ns
         server = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-m", "http.server", "8080",
                                    "--bind", "0.0.0.0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         yield INTERNET_HOST
     finally:
+        _current.pop("ns", None)
         if server is not None:
             server.kill()
             server.wait()
         subprocess.run(["ip", "link", "del", veth], check=False, capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+@pytest.fixture
+def stand_in_dns(stand_in_internet: str, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """The stand-in internet's DNS server at 10.231.0.4; (a resolv.conf naming it, the log of the
+    names it was asked)."""
+    log, conf = tmp_path / "dns-asked.log", tmp_path / "resolv.conf"
+    log.touch()
+    conf.write_text(f"nameserver {DNS_HOST}\n")
+    subprocess.run(["ip", "-n", _current["ns"], "addr", "add", f"{DNS_HOST}/24", "dev", "eth0"], check=True)
+    server = subprocess.Popen(["ip", "netns", "exec", _current["ns"], sys.executable, "-c", DNS_SERVER, str(log),
+                               DNS_HOST, json.dumps(STAND_IN_NAMES)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield conf, log
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _with_resolver(conf: Path, argv: list[str]) -> list[str]:
+    """``argv`` in a mount namespace of its own whose /etc/resolv.conf is ``conf``: the plugin reads
+    the host's resolver where it always does, and this host's own resolver stays untouched."""
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(conf), *argv]
 
 
 def _pasta_processes(state: Path) -> list[str]:
@@ -120,9 +178,10 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
     assert _pasta_processes(smol_state) == []
 
 
-def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str) -> None:
-    """A normal user's guest (a user namespace) gets the same NAT and the same fence as root's:
-    it used to be refused, and before that it was given the host's network."""
+def test_network_true_in_user_namespace_mode(shared_cache: Path, stand_in_internet: str,
+                                             stand_in_dns: tuple[Path, Path]) -> None:
+    """A normal user's guest (a user namespace) gets the same NAT, the same fence and the same DNS
+    proxy as root's: it used to be refused, and before that it was given the host's network."""
     from tests.test_unprivileged import NOBODY, _base_env, _nobody_cannot_import
 
     if shutil.which("setpriv") is None or _nobody_cannot_import():
@@ -151,11 +210,17 @@ def test_nat(smol_vm, host_server):
         assert smol_vm.exec(f"nc -z -w 2 {{addr}} {{host_server}}").exit_code != 0, addr
     assert smol_vm.exec("nc -z -w 2 169.254.169.254 80").exit_code != 0
     assert smol_vm.exec("ip route del 169.254.0.0/16").exit_code != 0  # no CAP_NET_ADMIN here either
+    assert "{OTHER_HOST}" in smol_vm.exec("nslookup -type=a other.test").stdout
+    assert "allowed dns other.test A (1x)" in smol_vm.logs()
 
-@pytest.mark.smol(allow_hosts=["{stand_in_internet}"])
+@pytest.mark.smol(allow_hosts=["{stand_in_internet}", "allowed.test"])
 def test_allowlist(smol_vm):
     assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://{stand_in_internet}:8080/ >/dev/null && echo ok").stdout
     assert smol_vm.exec("nc -z -w 2 {OTHER_HOST} 8080").exit_code != 0
+    assert "ok" in smol_vm.exec("wget -q -T 5 -O - http://allowed.test:8080/ >/dev/null && echo ok").stdout
+    assert smol_vm.exec("nslookup -type=a other.test").exit_code != 0
+    log = smol_vm.logs()
+    assert "allowed dns allowed.test A" in log and "refused dns other.test A (1x)" in log, log
 """)
         for sub in ("state", "cache", "tmp"):
             (home / sub).mkdir()
@@ -164,9 +229,9 @@ def test_allowlist(smol_vm):
         env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
                "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
                "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
-        result = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
-             "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")],
+        result = subprocess.run(_with_resolver(stand_in_dns[0], [
+            "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+            "-p", "no:cacheprovider", "--smol-backend=namespace", str(home / "test_user.py")]),
             cwd=home, env=env, capture_output=True, text=True, timeout=300)
         assert "2 passed" in result.stdout, result.stdout + result.stderr
         assert _pasta_processes(home) == []
@@ -244,8 +309,8 @@ def test_allow_hosts_by_ip_and_cidr_refuses_everything_else(
             assert not get(smol_vm, "{HOST_SIDE}"), "an allowed CIDR reopened the host's own address"
 
         @pytest.mark.smol(allow_hosts=["localhost"])
-        def test_by_name_lands_in_etc_hosts(smol_vm):
-            assert "localhost" in smol_vm.exec("tail -n 1 /etc/hosts").stdout
+        def test_by_name_is_answered_by_the_dns_proxy(smol_vm):
+            assert "Address: 127.0.0.1" in smol_vm.exec("nslookup -type=a localhost 127.0.0.53").stdout
             assert not get(smol_vm, "{INTERNET_HOST}")
 
         @pytest.mark.smol(allow_hosts=["no-such-name.invalid"])
@@ -284,9 +349,8 @@ def test_the_egress_ledger_records_every_attempt_in_the_log_and_the_results(
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*egress ledger (3 destination(s), 3 refused connection(s)):*",
                                  f"*refused tcp {OTHER_HOST}:8080 (2x)*"])
-    import json
     [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
-    assert line["egress"] == {"allowed": 1, "refused": 3}
+    assert line["egress"] == {"allowed": 1, "refused": 3, "dns_names": 0, "dns_refused": 0}
     assert _pasta_processes(smol_state) == []
 
 
@@ -322,3 +386,151 @@ def test_allow_hosts_means_the_same_on_the_smol_backend_through_the_loopback_clo
     finally:
         status, err = cloud.stop()
     assert status == 0, err
+
+
+def _run_with_resolver(pytester: pytest.Pytester, conf: Path, *args: str) -> pytest.RunResult:
+    return pytester.run(*_with_resolver(conf, [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                                               f"--basetemp={pytester.path / 'inner-tmp'}", *args]), timeout=240)
+
+
+def test_network_true_resolves_names_through_the_proxy_and_lists_them(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_dns: tuple[Path, Path]) -> None:
+    """The guest's resolver is its proxy on 127.0.0.53; the proxy asks the host's resolver (here the
+    stand-in internet's DNS server) and the names asked land in the log and the results line."""
+    conf, asked = stand_in_dns
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_names(smol_vm):
+            assert smol_vm.exec("cat /etc/resolv.conf").stdout == "nameserver 127.0.0.53\\n"
+            r = smol_vm.exec("wget -q -T 5 -O - http://allowed.test:8080/ >/dev/null && echo reached")
+            assert "reached" in r.stdout, r.stderr
+            assert "10.231.0.3" in smol_vm.exec("nslookup -type=a other.test").stdout
+            assert smol_vm.exec("nslookup -type=a nowhere.test").exit_code != 0  # NXDOMAIN, relayed
+            assert smol_vm.exec("nc -z -w 2 127.0.0.53 53").exit_code != 0, "the proxy speaks no TCP"
+            log = smol_vm.logs()
+            assert "dns names asked (3 name(s), 0 refused):" in log, log
+            assert "allowed dns allowed.test A" in log and "allowed dns other.test A" in log, log
+            assert False, "fail, so the report shows the guest's log"
+    """)
+    result = _run_with_resolver(pytester, conf, "--smol-results=results.jsonl")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*dns names asked (3 name(s), 0 refused):*", "*allowed dns nowhere.test A (1x)*"])
+    [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
+    assert line["egress"]["dns_names"] == 3 and line["egress"]["dns_refused"] == 0, line["egress"]
+    assert {"allowed.test", "other.test", "nowhere.test"} <= set(asked.read_text().split())
+    assert _pasta_processes(smol_state) == []
+
+
+def test_allow_hosts_answers_its_names_only_and_never_asks_upstream_for_others(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_dns: tuple[Path, Path]) -> None:
+    conf, asked = stand_in_dns
+    pytester.makepyfile(f"""
+        import time
+        import pytest
+
+        @pytest.mark.smol(allow_hosts=["allowed.test"])
+        def test_names(smol_vm):
+            r = smol_vm.exec("wget -q -T 5 -O - http://allowed.test:8080/ >/dev/null && echo reached")
+            assert "reached" in r.stdout, r.stderr
+            assert "allowed.test" not in smol_vm.exec("cat /etc/hosts").stdout  # the proxy answers it
+            started = time.monotonic()
+            r = smol_vm.exec("nslookup -type=a other.test")
+            assert r.exit_code != 0 and "{OTHER_HOST}" not in r.stdout, r.stdout
+            assert smol_vm.exec("wget -q -T 5 -O /dev/null http://other.test:8080/").exit_code != 0
+            assert time.monotonic() - started < 4, "a refused name should be answered, not time out"
+            # Around the proxy, straight to the stand-in's DNS server: its address is not allowed.
+            assert "{OTHER_HOST}" not in smol_vm.exec("nslookup -timeout=2 -type=a other.test {DNS_HOST}").stdout
+            log = smol_vm.logs()
+            assert "allowed dns allowed.test A" in log, log
+            assert "refused dns other.test A" in log, log
+            assert False, "fail, so the report shows the guest's log"
+    """)
+    result = _run_with_resolver(pytester, conf, "--smol-results=results.jsonl")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*dns names asked (2 name(s), 1 refused):*"])
+    [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
+    assert line["egress"]["dns_names"] == 2 and line["egress"]["dns_refused"] == 1, line["egress"]
+    assert "other.test" not in asked.read_text().split(), "a refused name was asked upstream"
+    assert _pasta_processes(smol_state) == []
+
+
+def test_bad_queries_get_error_replies_and_the_proxy_serves_on(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_dns: tuple[Path, Path]) -> None:
+    """Guest-made datagrams that are no plain query: an error reply (or, too short for an id,
+    none), never an exception; the proxy answers the next good query; names are escaped."""
+    conf, _asked = stand_in_dns
+    pytester.makepyfile(r"""
+        import pytest
+
+        HEADER = r"\022\064\001\000"  # id 0x1234, RD
+        CASES = {
+            "two questions": HEADER + r"\000\002\000\000\000\000\001a\000\000\001\000\001",
+            "a compression pointer": HEADER + r"\000\001\000\000\000\000\300\014\000\001\000\001",
+            "a name past the end": HEADER + r"\000\001\000\000\000\000\077abc",
+            "a name over 255 bytes": HEADER + r"\000\001\000\000\000\000" + r"\077" + "a" * 63 + r"\077" + "b" * 63
+                                     + r"\077" + "c" * 63 + r"\077" + "d" * 63 + r"\000\000\001\000\001",
+        }
+
+        def ask(vm, payload):
+            r = vm.exec(f"printf '{payload}' | nc -u -w 1 127.0.0.53 53 | od -An -tx1")
+            return r.stdout.split()
+
+        @pytest.mark.smol(network=True)
+        def test_bad(smol_vm):
+            for why, payload in CASES.items():
+                assert ask(smol_vm, payload)[:4] == ["12", "34", "81", "81"], why  # FORMERR
+            big = smol_vm.exec("head -c 600 /dev/zero | nc -u -w 1 127.0.0.53 53 | od -An -tx1").stdout.split()
+            assert big[:4] == ["00", "00", "80", "81"], big  # over 512 bytes: FORMERR
+            assert ask(smol_vm, r"\022\064\001") == []  # no id to answer: dropped
+            weird = r"\022\064\001\000\000\001\000\000\000\000\000\000\004\033]0;\000\000\001\000\001"
+            assert ask(smol_vm, weird)[:4] == ["12", "34", "81", "83"]  # forwarded, not found: NXDOMAIN
+            r = smol_vm.exec("wget -q -T 5 -O - http://allowed.test:8080/ >/dev/null && echo reached")
+            assert "reached" in r.stdout, r.stderr
+            log = smol_vm.logs()
+            assert "refused dns (malformed queries) (6x)" in log, log
+            assert "allowed dns \\027\\0930\\059 A (1x)" in log and "\x1b" not in log, log  # escaped, inert
+    """)
+    result = _run_with_resolver(pytester, conf)
+    result.assert_outcomes(passed=1)
+    assert _pasta_processes(smol_state) == []
+
+
+def test_the_proxy_leaves_no_thread_or_fd_once_its_guests_are_gone(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_dns: tuple[Path, Path]) -> None:
+    """Through the library API, in a process of its own: after close, no proxy thread, and no fd
+    the run opened (the guests' DNS sockets, the upstream sockets, the thread's selector) is left."""
+    conf, _asked = stand_in_dns
+    script = pytester.path / "run.py"
+    script.write_text("""
+import os, threading, time
+import pytest_smolvm
+
+def fds():
+    return {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+with pytest_smolvm.Session(backend="namespace") as session:
+    session.create()  # a first run in a fresh cache keeps a socket of its own: not the proxy's
+before = fds()
+with pytest_smolvm.Session(backend="namespace") as session:
+    for keywords in ({"network": True}, {"allow_hosts": ["allowed.test"]}, {"network": True}):
+        vm = session.create(**keywords)
+        assert "10.231.0.2" in vm.exec("nslookup -type=a allowed.test").stdout
+        assert any(t.name == "smolvm-dns-proxy" for t in threading.enumerate())
+        session.destroy(vm)
+def left():
+    threads = sorted(t.name for t in threading.enumerate() if t.name == "smolvm-dns-proxy")
+    return threads, {fd: what for fd, what in fds().items() if fd not in before and what.startswith(("socket", "anon"))}
+
+deadline = time.monotonic() + 10  # close waited for every destroy; the thread ends right after
+while left() != ([], {}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("threads:", left()[0])
+print("sockets left:", left()[1])
+""")
+    result = pytester.run(*_with_resolver(conf, [sys.executable, str(script)]), timeout=240)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["threads: []", "sockets left: {}"])
+    assert _pasta_processes(smol_state) == []

@@ -24,13 +24,14 @@ from pytest_smolvm.backends.base import (
     VMSpec,
 )
 from pytest_smolvm.backends.namespace import cgroups, seccomp
+from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest, destroy_recorded
 from pytest_smolvm.backends.namespace.zygote import Zygote
 from pytest_smolvm.baselines.archive import apply_layer
 from pytest_smolvm.baselines.baseline import Baseline, Rootfs
 from pytest_smolvm.baselines.cache import prepare_derived, unpack
-from pytest_smolvm.errors import ProvisionError, UsageError
+from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import runtime_dir
 
 
@@ -139,12 +140,17 @@ class NamespaceBackend:
         if networked:
             try:
                 guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)
+                dns_fd = guest.namespaces.pop("dns", -1)
+                if dns_fd >= 0:  # network=True: every name, asked of the host's resolver; allow_hosts: its own
+                    guest.dns = _nsdns.serve(dns_fd, _nsdns.host_resolver() if allowed is None else None,
+                                             allowed[1] if allowed is not None else None)
                 guest.nat = _nsnet.start_nat(guest.pid, scratch, guest.namespaces,
                                              allowed[0] if allowed is not None else None)
-                if allowed is not None and allowed[1]:
-                    hosts = "".join(f"{a} {name}\n" for name, addrs in allowed[1].items() for a in addrs)
-                    guest.exec(["sh", "-c", "cat >> /etc/hosts"], env={}, workdir=None, stdin=hosts.encode(),
-                               timeout=30, output_limit=1 << 16, user="root")
+                try:
+                    guest.write_file("/etc/resolv.conf", _nsdns.RESOLV_CONF.encode(), 0o644, user="root")
+                except GuestError as exc:
+                    raise ProvisionError(f"namespace guest {spec.name}: cannot point its /etc/resolv.conf "
+                                         f"at its DNS proxy: {exc}") from None
             except BaseException:
                 guest.destroy()
                 raise

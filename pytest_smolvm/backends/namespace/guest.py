@@ -26,6 +26,7 @@ from pytest_smolvm.backends.base import (
     OutputCallback,
 )
 from pytest_smolvm.backends.namespace import cgroups
+from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
@@ -63,6 +64,7 @@ class NamespaceGuest:
         self.kept = False
         self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
+        self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
 
     @property
     def oom_kills(self) -> int:
@@ -236,7 +238,8 @@ class NamespaceGuest:
         if not self.namespaces or self._destroyed:
             return []
         try:
-            return _nsnet.read_ledger(self.namespaces)
+            names = self.dns.ledger() if self.dns is not None else []
+            return _nsnet.read_ledger(self.namespaces) + names
         except (ProvisionError, OSError, ValueError) as exc:
             raise GuestError(f"guest {self.name}: cannot read its egress ledger: {exc}") from exc
 
@@ -268,6 +271,9 @@ class NamespaceGuest:
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         if self.nat is not None:
             _nsnet.stop_nat(self.nat)  # exiting by itself already: the guest's init is gone
+        if self.dns is not None:
+            _nsdns.stop(self.dns)
+            self.dns = None
         for fd in self.namespaces.values():
             os.close(fd)
         self.namespaces = {}

@@ -35,6 +35,7 @@ from pathlib import Path
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
+from pytest_smolvm.untrusted.inert import inert
 
 INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
 PROHIBITED = ("169.254.0.0/16",)
@@ -131,17 +132,18 @@ def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4N
 
 def receive_namespaces(ctl: socket.socket, name: str) -> dict[str, int]:
     """The guest's namespace fds its setup process sent on the control socket (``"net"``, and
-    ``"user"`` in user-namespace mode, whose init no host process may open through /proc)."""
+    ``"user"`` in user-namespace mode, whose init no host process may open through /proc), and
+    ``"dns"``: its DNS proxy's UDP socket, bound in its network namespace (backends/namespace/dns.py)."""
     ctl.settimeout(limits.LIMITS.network_ready)
     try:
-        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 2)
+        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 3)
     except OSError as exc:
         raise ProvisionError(f"namespace guest {name}: its namespaces never came for the network: {exc}") from None
     finally:
         ctl.settimeout(None)
     try:
         names = json.loads(data)["namespaces"]
-        if len(names) != len(fds) or not set(names) <= {"net", "user"} or "net" not in names:
+        if len(names) != len(fds) or not set(names) <= {"net", "user", "dns"} or "net" not in names:
             raise ValueError(names)
     except (ValueError, KeyError, TypeError):
         for fd in fds:
@@ -258,12 +260,19 @@ def read_ledger(namespaces: dict[str, int]) -> list[EgressAttempt]:
     return sorted(found, key=lambda a: (-a.connections, a.address, a.port))
 
 
-def render_ledger(attempts: list[EgressAttempt]) -> str:
-    if not attempts:
-        return "egress: the guest attempted no connection"
+def render_ledger(rows: list[EgressAttempt]) -> str:
+    attempts = [a for a in rows if a.protocol != "dns"]
+    names = [a for a in rows if a.protocol == "dns"]
+    if not attempts and not names:
+        return "egress: the guest attempted no connection and asked DNS for no name"
     lines = [f"egress ledger ({len(attempts)} destination(s), "
              f"{sum(a.connections for a in attempts if not a.allowed)} refused connection(s)):"]
     lines += [f"  {a.render()}" for a in attempts[:LEDGER_ROWS]]
     if len(attempts) > LEDGER_ROWS:
         lines.append(f"  ... {len(attempts) - LEDGER_ROWS} more")
+    if names:
+        lines.append(f"dns names asked ({len(names)} name(s), {sum(1 for a in names if not a.allowed)} refused):")
+        lines += [f"  {inert(a.render())}" for a in names[:LEDGER_ROWS]]  # escaped already; twice is cheap
+        if len(names) > LEDGER_ROWS:
+            lines.append(f"  ... {len(names) - LEDGER_ROWS} more")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -47,6 +48,10 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     _unshare,
     _write_id_map,
 )
+
+DNS_ADDRESS = "127.0.0.53"  # the guest's resolver: its DNS proxy (backends/namespace/dns.py GUEST_ADDRESS)
+SIOCSIFFLAGS = 0x8914  # linux/sockios.h
+IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40  # linux/if.h
 
 
 def _mount_root(req: dict[str, Any]) -> str:
@@ -204,10 +209,20 @@ def _join_cgroups(procs_files: list[str]) -> None:
 def _send_namespaces(ctl: socket.socket, *, userns: bool) -> None:
     """Hand the host this guest's network namespace (and user namespace) for its NAT: once the
     guest is made nothing of it is dumpable, and in user-namespace mode the host could not open
-    them through /proc. The first message on the control socket, the only one the init sends."""
+    them through /proc. The first message on the control socket, the only one the init sends.
+
+    With them goes the guest's DNS proxy socket: UDP 127.0.0.53:53 in the guest's namespace,
+    bound here, before any guest code runs, so no guest process can take the address; the
+    host serves it (backends/namespace/dns.py). The loopback goes up first: a socket bound to
+    an address that was not yet local answers from 127.0.0.1, and resolvers drop such replies."""
     names = ["net", "user"] if userns else ["net"]
     fds = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC) for name in names]
     try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as dns:
+            fcntl.ioctl(dns, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING))
+            dns.bind((DNS_ADDRESS, 53))
+            fds.append(dns.detach())
+        names.append("dns")
         socket.send_fds(ctl, [json.dumps({"namespaces": names}).encode()], fds)
     finally:
         for fd in fds:
