@@ -36,6 +36,50 @@ def test_a_session_makes_fresh_guests_and_destroys_them_all(smol_state: Path) ->
     assert list(records()) == []
 
 
+def test_a_closed_session_leaves_no_unpacker_process_or_socket(smol_state: Path, tmp_path: Path) -> None:
+    """copy_out starts this process's unpacker: a training loop that opens and closes sessions
+    must find, after close, no child process and no socket of ours (in a process of its own,
+    which starts with neither)."""
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import os, sys
+sys.path.insert(0, {str(ROOT)!r})
+from pytest_smolvm import Session
+
+def children():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{{pid}}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid():
+            found.append(cmdline)
+    return found
+
+def sockets():
+    return sorted(os.readlink(f"/proc/self/fd/{{fd}}") for fd in os.listdir("/proc/self/fd")
+                  if os.path.exists(f"/proc/self/fd/{{fd}}")
+                  and os.readlink(f"/proc/self/fd/{{fd}}").startswith("socket"))
+
+for round in range(2):
+    with Session(backend="namespace") as session:
+        vm = session.create()
+        vm.exec("mkdir -p /out && echo hi > /out/f")
+        vm.copy_out("/out", {str(tmp_path)!r} + f"/out{{round}}")
+        assert any("untrusted.unpacker" in c for c in children()), children()
+    print("children:", [c for c in children() if "unpacker" in c])
+    print("sockets:", sockets())
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["children: []", "sockets: []"] * 2, done.stdout
+    assert (tmp_path / "out1" / "f").read_text() == "hi\n"
+
+
 def test_an_exception_in_the_block_still_destroys_every_guest(smol_state: Path) -> None:
     with pytest.raises(RuntimeError, match="the training loop broke"), Session(backend="namespace") as session:
         session.create()

@@ -10,6 +10,7 @@ needs.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import uuid
 from types import FrameType
@@ -112,6 +113,9 @@ class SmolRun:
         for sig, handler in self._signals.items():
             signal.signal(sig, handler)
         self._signals = {}
+        confined = sys.modules.get("pytest_smolvm.untrusted.confined")  # loaded by a copy or an unpack, if at all
+        if confined is not None:
+            confined.stop_unpacker()  # a process and a socket: a library session leaves neither behind
         return problems
 
     def finish(self) -> list[str]:

@@ -168,7 +168,29 @@ class _Unpacker:
         return ours
 
 
+    def stop(self) -> None:
+        """End the unpacker (it exits at the end of its socket) and reap it; the next use starts
+        another. Children it forked for unpacks under way finish those on their own."""
+        with self._lock:
+            sock, process, owner = self._sock, self.process, self._owner
+            self._sock = self.process = None
+        if sock is None or owner != os.getpid():
+            return  # none, or the parent's (a fork inherited it): not ours to end
+        sock.close()
+        if process is not None:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 _UNPACKER = _Unpacker()
+
+
+def stop_unpacker() -> None:
+    """End this process's unpacker, if it started one (the end of a run: a library session's too)."""
+    _UNPACKER.stop()
 
 
 def _import_paths() -> str:
