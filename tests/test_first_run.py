@@ -75,7 +75,6 @@ def _help_texts() -> dict[str, str]:
 
 def test_help_texts_are_plain_text(pytester: pytest.Pytester) -> None:
     """What users read in a terminal carries no reST markup (``like this``)."""
-    from pytest_smolvm.evals import episodes
     from pytest_smolvm.plugin import hooks as plugin
 
     texts = _help_texts()
@@ -84,7 +83,7 @@ def test_help_texts_are_plain_text(pytester: pytest.Pytester) -> None:
     texts["pytest --markers"] = "\n".join(line for line in pytester.runpytest_subprocess("--markers").outlines
                                           if "smol" in line)
     for fixture in (plugin.smol_vm, plugin.smol_vm_factory, plugin.smol_baseline_setup,
-                    episodes.EpisodesPlugin.smol_episode):  # what pytest --fixtures prints
+                    plugin.smol_episode):  # what pytest --fixtures prints
         texts[f"pytest --fixtures: {fixture.__name__}"] = fixture.__doc__ or ""
     assert all(texts.values())
     markup = {where: re.findall(r".{0,30}``.{0,30}", text) for where, text in texts.items()}
