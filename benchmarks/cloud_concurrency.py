@@ -21,11 +21,11 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
@@ -34,7 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.smolcloud.harness import LoopbackCloud  # noqa: E402  (benchmarks/ is not a package)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package)
+from tests.smolcloud.harness import LoopbackCloud  # noqa: E402
 
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine"]
 SUITE = """
@@ -49,50 +52,25 @@ CREATE_CALLS = ("POST /v1/machines", "POST /v1/machines/{id}/branches", "POST /v
                 "POST /v1/machines/{id}/branches/batch", "POST /v1/machines/{id}/fork-batch")
 
 
-class PeakRss:
-    """Every Python process's own peak (VmHWM) in pytest's session (the controller and its workers), sampled."""
+def cpu_seconds(pid: int) -> float:
+    """CPU of ``pid`` and its descendants (the server's namespace helper and guests), with what
+    each reaped, so far."""
+    total, stack = 0, [pid]
+    while stack:
+        each = stack.pop()
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rpartition(")")[2].split()
+            children = Path(f"/proc/{each}/task/{each}/children").read_text().split()
+        except OSError:
+            continue  # gone meanwhile: its CPU is in its parent's reaped children
+        total += sum(int(f) for f in fields[11:15])
+        stack.extend(int(c) for c in children)
+    return total / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, session: int) -> None:
-        self.session = session
-        self.peaks: dict[tuple[int, str], int] = {}  # (pid, start time) -> kB
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            self.sample()
-
-    def sample(self) -> None:
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-                fields = stat.rpartition(")")[2].split()
-                if int(fields[3]) != self.session:  # field 6, the session id
-                    continue
-                if not Path(f"/proc/{entry.name}/comm").read_text().startswith("python"):
-                    continue  # pytest and its xdist workers (whose command line is execnet's)
-                status = Path(f"/proc/{entry.name}/status").read_text()
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-            key = (int(entry.name), fields[19])  # pid and start time: pids are reused
-            self.peaks[key] = max(self.peaks.get(key, 0), hwm)
-
-    def total_mb(self) -> float:
-        return sum(self.peaks.values()) / 1024
-
-    def largest_mb(self) -> float:
-        return max(self.peaks.values(), default=0) / 1024
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float, PeakRss, str]:
@@ -158,22 +136,32 @@ def main() -> None:
         suite = work / "suite"
         suite.mkdir()
         (suite / "test_eps.py").write_text(SUITE.format(episodes=options.episodes, hold=f"{options.hold:g}"))
-        run_pytest(suite, env, "-k", "ep0")  # the server's first image lower, outside the timing
+        one, _, _ = run_pytest(suite, env, "-k", "ep0")  # also the server's first image lower, outside the timing
         before = cloud.calls(token)
+        assert cloud.proc is not None
+        server_cpu, pytest_cpu = cpu_seconds(cloud.proc.pid), children_cpu()
         workers = ["-n", str(options.workers)] if options.workers else []
         wall, rss, out = run_pytest(suite, env, f"--smol-concurrency={options.concurrency}", *workers,
                                     f"--junitxml={work / 'junit.xml'}")
+        server_cpu, pytest_cpu = cpu_seconds(cloud.proc.pid) - server_cpu, children_cpu() - pytest_cpu
         after = cloud.calls(token)
         calls = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
         left = cloud.wait_for_no_machines(token=token, timeout=30)
         outcomes = reported(work / "junit.xml")
+        floor_server_cpu = cpu_seconds(cloud.proc.pid)
         floor_wall = None if options.no_floor else asyncio.run(floor(options.episodes, options.hold, in_flight))
+        floor_server_cpu = cpu_seconds(cloud.proc.pid) - floor_server_cpu
         creates = sum(calls.get(k, 0) for k in CREATE_CALLS)
         print(f"{options.episodes} episodes x {options.hold:g}s, --smol-concurrency={options.concurrency} "
               f"-n {options.workers}: wall {wall:.2f}s, ideal {ideal:.2f}s, x{wall / ideal:.2f} of the ideal")
+        cores = len(os.sched_getaffinity(0))
+        print(f"a run of one episode (start-up, the run's source machine, one guest, close): {one:.2f}s")
+        print(f"CPU during the run: pytest processes {pytest_cpu:.1f}s, the server (its machines included) "
+              f"{server_cpu:.1f}s, of {wall * cores:.0f}s on {cores} cores")
         if floor_wall is not None:
             print(f"raw floor (library API, {in_flight} asyncio tasks at once): {floor_wall:.2f}s, "
-                  f"x{floor_wall / ideal:.2f} of the ideal; pytest is x{wall / floor_wall:.2f} of the floor")
+                  f"x{floor_wall / ideal:.2f} of the ideal; pytest is x{wall / floor_wall:.2f} of the floor; "
+                  f"server CPU during the floor {floor_server_cpu:.1f}s")
         print(f"peak RSS, all pytest processes together: {rss.total_mb():.0f} MB ({len(rss.peaks)} processes, "
               f"largest {rss.largest_mb():.0f} MB)")
         print(f"machines left on the server: {len(left)}; create calls: {creates} for {options.episodes} "
@@ -181,11 +169,12 @@ def main() -> None:
         print("API calls counted by the server: " + ", ".join(f"{k}: {v}" for k, v in sorted(calls.items())))
         print(out.strip().splitlines()[-1])
         print(json.dumps({"episodes": options.episodes, "hold_s": options.hold, "concurrency": options.concurrency,
-                          "workers": options.workers, "wall_s": round(wall, 2), "ideal_s": round(ideal, 2),
+                          "workers": options.workers, "wall_s": round(wall, 2), "one_episode_run_s": round(one, 2), "ideal_s": round(ideal, 2),
                           "wall_over_ideal": round(wall / ideal, 2),
                           "floor_s": None if floor_wall is None else round(floor_wall, 2),
                           "wall_over_floor": None if floor_wall is None else round(wall / floor_wall, 2),
-                          "peak_rss_mb_sum": round(rss.total_mb()), "machines_left": len(left),
+                          "peak_rss_mb_sum": round(rss.total_mb()), "pytest_cpu_s": round(pytest_cpu, 1),
+                          "server_cpu_s": round(server_cpu, 1), "machines_left": len(left),
                           "create_calls": creates, "calls": calls, "junit": outcomes}))
     finally:
         status, err = cloud.stop()
