@@ -33,10 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package)
+from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package; a module of its own)
+
 from tests.smolcloud.harness import LoopbackCloud  # noqa: E402
 
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine"]
@@ -169,7 +169,8 @@ def main() -> None:
         print("API calls counted by the server: " + ", ".join(f"{k}: {v}" for k, v in sorted(calls.items())))
         print(out.strip().splitlines()[-1])
         print(json.dumps({"episodes": options.episodes, "hold_s": options.hold, "concurrency": options.concurrency,
-                          "workers": options.workers, "wall_s": round(wall, 2), "one_episode_run_s": round(one, 2), "ideal_s": round(ideal, 2),
+                          "workers": options.workers, "wall_s": round(wall, 2),
+                          "one_episode_run_s": round(one, 2), "ideal_s": round(ideal, 2),
                           "wall_over_ideal": round(wall / ideal, 2),
                           "floor_s": None if floor_wall is None else round(floor_wall, 2),
                           "wall_over_floor": None if floor_wall is None else round(wall / floor_wall, 2),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package)
+from _rss import PeakRss
 
 SUITE = """
 import pytest

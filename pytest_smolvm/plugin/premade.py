@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_smolvm.host.threads import KeptThreads
 from pytest_smolvm.session.settings import MarkerSpec, marker_spec
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Premade:
 
 
 PREMADE_KEY = pytest.StashKey[Premade]()
+_THREADS = KeptThreads("smolvm-premade")  # a guest's create: a kept thread when one is idle
 SETUP_KEY = pytest.StashKey["BaselineSetup | None"]()  # the warm setup the test's factory used
 
 
@@ -114,7 +116,7 @@ def start(item: pytest.Item, run: SmolRun, setup: BaselineSetup | None,
         on_done()
 
     item.stash[PREMADE_KEY] = premade
-    threading.Thread(target=make, name="smolvm-premade", daemon=True).start()
+    _THREADS.submit(make)
     return premade
 
 
