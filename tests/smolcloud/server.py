@@ -53,6 +53,11 @@ def record(store: Store, machine: Machine) -> dict[str, Any]:
 class CloudServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's listen backlog is 5. Hundreds of concurrent clients open their exec streams
+    # together (a batch of 32 branches becomes ready at once) and the one accepting thread lags
+    # on a busy host: past the backlog the kernel dropped connections and the SDK saw them reset.
+    # A real control plane sits behind a load balancer; this is the server's own limit, not a model.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], store: Store, *, legacy_fork_routes: bool = False) -> None:
         super().__init__(address, Handler)
