@@ -7,8 +7,8 @@ Each episode holds its guest for ``--hold`` seconds of guest-side ``sleep``. Pri
 concurrency of the curve, the wall time of ``pytest --smol-concurrency=C`` against the ideal
 (episodes x hold / C), the floor (the same episodes as plain asyncio tasks, each in a guest made
 by the library API, at the same concurrency) and ``-n 2`` without concurrency; then one JSON line.
-Peak RSS is of the pytest process tree (ru_maxrss of the children, the largest one). Never part
-of the test command.
+Peak RSS is the sum of every pytest process's own peak (benchmarks/_rss.py), per run. ``--no-serial``
+skips the ``-n 2`` row (episodes x hold / 2 seconds). Never part of the test command.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rss import PeakRss
 
 SUITE = """
 import pytest
@@ -34,13 +37,22 @@ async def test_episode(smol_vm, smol_episode):
 """
 
 
+PEAKS: list[float] = []  # summed peak RSS of each pytest run, MB
+
+
 def pytest_wall(directory: Path, *args: str) -> float:
+    env = dict(os.environ, PYTEST_DEBUG_TEMPROOT=str(directory))  # pytest's own temp dirs: this run's alone
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
-                           *args], cwd=directory, capture_output=True, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
+                             *args], cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    with PeakRss(proc.pid) as rss:
+        out, _ = proc.communicate()
+        rss.sample()
     wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"pytest {' '.join(args)} failed:\n{out[-3000:]}")
+    PEAKS.append(rss.total_mb())
     return wall
 
 
@@ -69,6 +81,8 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=40)
     parser.add_argument("--hold", type=float, default=1.0)
     parser.add_argument("--curve", default="1,5,10,20,40")
+    parser.add_argument("--no-serial", action="store_true", help="skip the -n 2 row without concurrency")
+    parser.add_argument("--no-floor", action="store_true", help="skip the library-API floor of each point")
     options = parser.parse_args()
     curve = [int(c) for c in options.curve.split(",")]
     rows = []
@@ -76,21 +90,26 @@ def main() -> None:
         directory = Path(tmp)
         (directory / "test_eps.py").write_text(SUITE.format(episodes=options.episodes, hold=f"{options.hold:g}"))
         pytest_wall(directory, "-k", "ep0")  # unpack the baseline once, outside the timing
-        serial_n2 = pytest_wall(directory, "-n", "2")
+        serial_n2 = None if options.no_serial else pytest_wall(directory, "-n", "2")
+        if serial_n2 is not None:
+            print(f"-n 2 without concurrency: {serial_n2:.2f}s", flush=True)
         for concurrency in curve:
             wall = pytest_wall(directory, f"--smol-concurrency={concurrency}")
-            floor_wall = asyncio.run(floor(options.episodes, options.hold, concurrency))
+            rss_mb = PEAKS[-1]
+            floor_wall = None if options.no_floor else asyncio.run(floor(options.episodes, options.hold, concurrency))
             ideal = options.episodes * options.hold / concurrency
             rows.append({"concurrency": concurrency, "wall_s": round(wall, 2), "ideal_s": round(ideal, 2),
-                         "floor_s": round(floor_wall, 2), "wall_over_ideal": round(wall / ideal, 2),
-                         "wall_over_floor": round(wall / floor_wall, 2)})
+                         "floor_s": None if floor_wall is None else round(floor_wall, 2),
+                         "wall_over_ideal": round(wall / ideal, 2),
+                         "wall_over_floor": None if floor_wall is None else round(wall / floor_wall, 2),
+                         "peak_rss_mb": round(rss_mb)})
+            against = "" if floor_wall is None else \
+                f"floor {floor_wall:7.2f}s  x{wall / floor_wall:5.2f} of the floor  "
             print(f"concurrency {concurrency:4d}: wall {wall:7.2f}s  ideal {ideal:7.2f}s  x{wall / ideal:5.2f}  "
-                  f"floor {floor_wall:7.2f}s  x{wall / floor_wall:5.2f} of the floor", flush=True)
-    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(f"-n 2 without concurrency: {serial_n2:.2f}s; largest pytest process: {rss_mb:.0f} MB; cores: "
-          f"{len(os.sched_getaffinity(0))}")
-    print(json.dumps({"episodes": options.episodes, "hold_s": options.hold, "n2_serial_s": round(serial_n2, 2),
-                      "peak_rss_mb": round(rss_mb), "curve": rows}))
+                  f"{against}peak RSS {rss_mb:.0f} MB", flush=True)
+    print(f"cores: {len(os.sched_getaffinity(0))}")
+    print(json.dumps({"episodes": options.episodes, "hold_s": options.hold,
+                      "n2_serial_s": None if serial_n2 is None else round(serial_n2, 2), "curve": rows}))
 
 
 if __name__ == "__main__":

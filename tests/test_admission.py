@@ -82,3 +82,46 @@ def test_the_summary_reports_the_peak_held(pytester: pytest.Pytester, smol_state
     result = pytester.runpytest_subprocess("-p", "no:anyio")
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["smolvm: admission: peak held on this host: 4 of * alive, * creating*"])
+
+
+def test_waiters_of_one_process_do_not_all_poll(smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --smol-concurrency a worker has a hundred threads waiting for admission; each used to
+    try every slot's lock file every 20 ms. One polls; the others wait their turn."""
+    gate = admission.Gate("test-poll", 4)
+    elsewhere = admission.Gate("test-poll", 4)  # its own open files: another process, as flock sees it
+    held = [elsewhere.acquire() for _ in range(4)]
+    calls = [0]
+    real_flock = admission.fcntl.flock
+
+    def counting(fd: int, operation: int) -> None:
+        calls[0] += 1
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(admission.fcntl, "flock", counting)
+    got: list[admission.Slot] = []
+    waiters = [threading.Thread(target=lambda: got.append(gate.acquire())) for _ in range(20)]
+    for waiter in waiters:
+        waiter.start()
+    threading.Event().wait(1.0)  # 50 polls' worth: 20 pollers x 50 x 4 slots = 4,000 tries before
+    assert calls[0] < 1000, calls[0]
+    for slot in held:  # four freed elsewhere: four waiters admitted
+        slot.release()
+    deadline = threading.Event()
+    for _ in range(200):
+        if len(got) == 4:
+            break
+        deadline.wait(0.01)
+    assert len(got) == 4
+    released = 0
+    for _ in range(2000):  # each admitted waiter's slot freed in turn, until every waiter had one
+        while released < len(got):
+            got[released].release()
+            released += 1
+        if released == 20:
+            break
+        deadline.wait(0.01)
+    for waiter in waiters:
+        waiter.join(10)
+    assert released == 20 and not any(w.is_alive() for w in waiters)
+    elsewhere.close()
+    gate.close()

@@ -265,3 +265,62 @@ def test_close_waits_a_bounded_time_for_a_create_and_a_destroy_that_hang() -> No
     while not discarded and time.monotonic() < deadline:
         time.sleep(0.01)
     assert discarded == ["late guest"]  # made after the bound, discarded by the thread that made it
+
+
+def test_destroys_that_queue_up_run_side_by_side_and_a_serial_run_keeps_one_thread() -> None:
+    """Under --smol-concurrency a worker ends many tests at once: one teardown thread destroying
+    them one by one fell behind (the guests stayed alive, holding their admission slots)."""
+    made: list[str] = []
+
+    def started_threads() -> set[int | None]:
+        return {t.ident for t in threading.enumerate() if t.name == "smolvm-teardown"}
+
+    before = started_threads()
+    serial: Teardown[str] = Teardown(lambda item: made.append(item) and None, str)
+    for i in range(5):  # each destroy is done before the next is handed off: one thread does all
+        serial.submit(f"guest {i}")
+        assert serial.drain(10) == []
+    assert made == [f"guest {i}" for i in range(5)] and len(started_threads() - before) == 1
+
+    together = threading.Barrier(4, timeout=10)
+    broken: list[str] = []
+
+    def destroy(item: str) -> str | None:
+        try:
+            together.wait()  # returns only once four destroys are under way at the same time
+        except threading.BrokenBarrierError:
+            broken.append(item)
+            return "waited alone"
+        return None
+
+    concurrent: Teardown[str] = Teardown(destroy, str, threads=4)
+    for i in range(8):
+        concurrent.submit(f"guest {i}")
+    assert concurrent.drain(30) == [] and broken == [] and concurrent.take_failures() == []
+
+
+def test_aio_calls_reuse_kept_threads_and_grow_only_while_all_are_busy() -> None:
+    """A thread started per call made the event loop's thread wait for each new thread to run:
+    milliseconds per call under --smol-concurrency, on the thread every test in flight shares."""
+    import asyncio
+
+    from pytest_smolvm.handle.aio import in_thread
+    from pytest_smolvm.host.threads import KeptThreads
+
+    async def one_after_another() -> list[threading.Thread]:
+        return [await in_thread(threading.current_thread) for _ in range(10)]
+
+    ran_on = asyncio.run(one_after_another())  # the Thread objects stay referenced: none is reused
+    # A call's result reaches the loop just before its thread counts itself idle again, so the
+    # next call may find none idle and start a second: two at most, not one per call.
+    assert len({id(thread) for thread in ran_on}) <= 2
+
+    kept = KeptThreads("test-kept", idle_seconds=0.2)
+    together = threading.Barrier(5, timeout=10)
+    passed: list[bool] = []
+    for _ in range(5):  # five calls that each wait for the other four: five threads at once
+        kept.submit(lambda: passed.append(together.wait() >= 0))
+    assert _wait_until(lambda: len(passed) == 5)
+    assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "test-kept"])  # idle ones end
+    kept.submit(lambda: passed.append(True))  # and a later call starts a thread again
+    assert _wait_until(lambda: len(passed) == 6)

@@ -301,8 +301,50 @@ def test_branches_fall_back_to_fork_routes_on_an_older_control_plane(tmp_path: P
         child = source.branch("legacy-1")
         batch = source.branch_batch(count=2, name_prefix="legacy-b")
         assert sorted(m.name for m in [child, *batch]) == ["legacy-1", "legacy-b-1", "legacy-b-2"]
+        # The server counts each call as the SDK sent it: the refused route, then its fallback.
+        calls = server.calls("tok")
+        assert {k: v for k, v in calls.items() if "/branches" in k or "/fork" in k} == {
+            "POST /v1/machines/{id}/branches": 1, "POST /v1/machines/{id}/fork": 1,
+            "POST /v1/machines/{id}/branches/batch": 1, "POST /v1/machines/{id}/fork-batch": 1}
+        assert calls["POST /v1/machines"] == 1 and server.calls("someone-else") == {}
         for machine in [child, *batch, source]:
             machine.delete()
     finally:
         status, err = server.stop()
     assert status == 0, err
+
+
+def test_a_stream_is_not_taken_for_hung_up_past_fd_setsize() -> None:
+    """A server holding hundreds of machines has descriptors past 1024, where select() raises:
+    every exec stream was then cancelled at once (exit 137) in the 1,000-episode benchmark."""
+    import os
+    import resource
+    import socket
+
+    from pytest_smolvm.backends.base import Cancel
+    from tests.smolcloud.server import _watch_disconnect
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = 1500
+    if hard != resource.RLIM_INFINITY and hard <= high:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} keeps descriptors under {high}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, high + 1) if soft != resource.RLIM_INFINITY else soft,
+                                                hard))
+    ours, theirs = socket.socketpair()
+    low = ours.detach()
+    moved = socket.socket(fileno=os.dup2(low, high))
+    os.close(low)
+    try:
+        cancel, done = Cancel(), threading.Event()
+        watcher = threading.Thread(target=_watch_disconnect, args=(moved, cancel, done))
+        watcher.start()
+        time.sleep(0.5)
+        assert not cancel.cancelled  # the client is still there
+        theirs.close()
+        watcher.join(5)
+        assert cancel.cancelled and not watcher.is_alive()  # and now it is gone
+    finally:
+        done.set()
+        moved.close()
+        theirs.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

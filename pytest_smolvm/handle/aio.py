@@ -1,7 +1,7 @@
 """``smol_vm.aio``: the same guest as an async handle, for asyncio, anyio and trio code.
 
-Each call runs the blocking call in a thread of its own, so concurrent awaits run
-concurrently (the guest serves them at once) and the event loop never blocks. Cancelling
+Each call runs the blocking call on a thread (a kept one when one is idle: host/threads.py),
+so concurrent awaits run concurrently (the guest serves them at once) and the event loop never blocks. Cancelling
 the awaiting task kills the guest command: the exec's :class:`~pytest_smolvm.backends.Cancel`
 is fired, and the backend kills the command's process group in the guest.
 
@@ -20,10 +20,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.handle.base import GuestHandle
 from pytest_smolvm.handle.result import ExecResult
-from pytest_smolvm.host.signals import start_thread
+from pytest_smolvm.host.threads import KeptThreads
 
 T = TypeVar("T")
 P = ParamSpec("P")
+_THREADS = KeptThreads("smol-vm-aio")  # signals stay with the main thread
 
 
 def _awaited(method: Callable[Concatenate[GuestHandle, P], T]) -> Callable[Concatenate[AsyncVM, P], Awaitable[T]]:
@@ -138,7 +139,7 @@ class _Loop:
             else:
                 self.call_soon(settle, result, None)
 
-        start_thread(target, name="smol-vm-aio")  # signals stay with the main thread
+        _THREADS.submit(target)
         try:
             return await future
         except asyncio.CancelledError:

@@ -21,6 +21,7 @@ import pytest
 from pytest_smolvm.session.settings import MarkerSpec, marker_spec
 
 if TYPE_CHECKING:
+    from pytest_smolvm.host.threads import KeptThreads
     from pytest_smolvm.session.pool import GuestPool, LiveGuest
     from pytest_smolvm.session.run import SmolRun
     from pytest_smolvm.session.warm import BaselineSetup
@@ -91,6 +92,7 @@ class Premade:
 
 
 PREMADE_KEY = pytest.StashKey[Premade]()
+_threads: list[KeptThreads] = []  # made with the first premade guest: nothing at plugin load
 SETUP_KEY = pytest.StashKey["BaselineSetup | None"]()  # the warm setup the test's factory used
 
 
@@ -114,7 +116,11 @@ def start(item: pytest.Item, run: SmolRun, setup: BaselineSetup | None,
         on_done()
 
     item.stash[PREMADE_KEY] = premade
-    threading.Thread(target=make, name="smolvm-premade", daemon=True).start()
+    if not _threads:
+        from pytest_smolvm.host.threads import KeptThreads
+
+        _threads.append(KeptThreads("smolvm-premade"))  # a guest's create: a kept thread when one is idle
+    _threads[0].submit(make)
     return premade
 
 

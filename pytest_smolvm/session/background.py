@@ -19,18 +19,29 @@ from pytest_smolvm.host.signals import start_thread
 T = TypeVar("T")
 
 
+TEARDOWN_THREADS = 16  # destroys at once, at most; more threads start only while destroys queue up
+
+
 class Teardown(Generic[T]):
-    """Runs ``destroy`` on handed-off items in one background thread, in hand-off order.
+    """Runs ``destroy`` on handed-off items in background threads, started in hand-off order.
+
+    One thread while destroys keep up (a serial run); another starts, up to ``threads``, each
+    time an item is handed off with every thread busy. Under ``--smol-concurrency`` a worker
+    ends up to N tests at once, and one thread destroying them one by one fell behind: the
+    guests waiting for it stayed alive, held their admission slots, and were still being
+    destroyed at session end (1,000 cloud episodes: 7 s of drain, benchmarks/cloud_concurrency.py).
 
     ``destroy`` returns None or the problem met; problems wait in :attr:`failures` until the
     pool reports them (as warnings, on the main thread).
     """
 
-    def __init__(self, destroy: Callable[[T], str | None], describe: Callable[[T], str]) -> None:
+    def __init__(self, destroy: Callable[[T], str | None], describe: Callable[[T], str],
+                 threads: int = TEARDOWN_THREADS) -> None:
         self._destroy = destroy
         self._describe = describe
         self._queue: queue.SimpleQueue[T] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads = 0
+        self._max_threads = max(1, threads)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: list[T] = []  # handed off, not yet destroyed (oldest first)
@@ -38,9 +49,10 @@ class Teardown(Generic[T]):
 
     def submit(self, item: T) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = start_thread(self._work, name="smolvm-teardown")
             self._pending.append(item)
+            if self._threads < min(len(self._pending), self._max_threads):
+                self._threads += 1  # every thread is busy with an earlier item: one more
+                start_thread(self._work, name="smolvm-teardown")
         self._queue.put(item)
 
     def _work(self) -> None:
@@ -50,9 +62,9 @@ class Teardown(Generic[T]):
                 problem = self._destroy(item)
             except BaseException as exc:  # never lose the thread: later guests still need it
                 problem = f"{type(exc).__name__}: {exc}"
-            if problem is not None:
-                self.failures.append((self._describe(item), problem))
             with self._idle:
+                if problem is not None:
+                    self.failures.append((self._describe(item), problem))
                 self._pending.remove(item)
                 self._idle.notify_all()
 
@@ -66,7 +78,8 @@ class Teardown(Generic[T]):
             return list(self._pending)
 
     def take_failures(self) -> list[tuple[str, str]]:
-        taken, self.failures = self.failures, []
+        with self._lock:
+            taken, self.failures = self.failures, []
         return taken
 
 

@@ -107,10 +107,14 @@ def _read_result(fd: int, timeout: float, policy: rules.Policy) -> list[dict[str
     deadline = time.monotonic() + timeout
     data = b""
     pid = 0
+    # poll, not select: a process with hundreds of guests in flight (--smol-concurrency) holds
+    # descriptors past select's FD_SETSIZE (1024), where select raises ValueError.
+    readable = select.poll()
+    readable.register(fd, select.POLLIN)
     try:
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not readable.poll(remaining * 1000):
                 raise UnsafeArchive(f"{policy.what}: the guest's stream took longer than "
                                     f"{timeout - limits.LIMITS.unpacker_grace:.0f}s; refused")
             chunk = os.read(fd, 1 << 16)

@@ -76,3 +76,44 @@ def test_children_nobody_asked_for_are_deleted() -> None:
     got, deleted = _fan_out(source, 4)
     assert sorted(child.name for child in got.values()) == ["g0", "g1", "g2", "g3"]
     assert sorted(child.name for child in deleted) == ["g1-other", "g2-other", "g3-other"]
+
+
+def test_requests_that_trickle_in_while_a_call_is_under_way_gather_into_the_next_batch() -> None:
+    """Concurrent tests ask for their guests one per item handed over, further apart than the
+    window: as the SDK's own coalescer does, one call is in flight per source and the requests
+    arriving meanwhile all go in the next one."""
+    source = FakeSource()
+    batcher = BranchBatcher(window=0.01)
+    got: dict[str, Any] = {}
+
+    def ask(name: str) -> None:
+        got[name] = batcher.branch("src", source, name, lambda child: None)
+
+    threads = [threading.Thread(target=ask, args=("g0",))]
+    threads[0].start()
+    while not source.calls:
+        pass
+    for i in range(1, 6):
+        threads.append(threading.Thread(target=ask, args=(f"g{i}",)))
+        threads[-1].start()
+        threading.Event().wait(0.05)  # five times the window apart
+    source.gate.set()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(got) == [f"g{i}" for i in range(6)]
+    assert source.calls == [("branch", ["g0"]), ("batch", [f"g{i}" for i in range(1, 6)])]
+    assert batcher.calls == 2
+
+
+def test_a_lone_branch_that_fails_raises_its_own_error() -> None:
+    class Refusing(FakeSource):
+        def branch(self, name: str) -> Child:
+            raise RuntimeError(f"no room for {name}")
+
+    batcher = BranchBatcher()
+    try:
+        batcher.branch("src", Refusing(), "g0", lambda child: None)
+    except RuntimeError as exc:
+        assert "no room for g0" in str(exc)
+    else:
+        raise AssertionError("the branch's error was swallowed")

@@ -501,3 +501,23 @@ def test_sparse_members_of_every_format_come_out_whole(fmt: list[str], tmp_path:
         hostfs.extract(io.BytesIO(archive), capped, rules.Policy("copy_out", prefix=PAYLOAD),
                        rules.Caps(max_bytes=10_000))
     assert (capped / PAYLOAD / "holes").stat().st_size == 0
+
+
+def test_extraction_works_with_descriptors_past_fd_setsize(dest: Path) -> None:
+    """A worker with hundreds of guests in flight holds more than 1,024 descriptors: the confined
+    extractor waited on its result pipe with select(), which raises ValueError past FD_SETSIZE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} keeps descriptors under 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 4096, hard))
+    held = [os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC) for _ in range(1100)]  # the next ones are past 1024
+    try:
+        confined.extract(io.BytesIO(_tar(lambda tar: _file(tar, f"{PAYLOAD}/ok.txt", b"fine"))), dest,
+                         rules.Policy("copy_out", prefix=PAYLOAD))
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (dest / PAYLOAD / "ok.txt").read_bytes() == b"fine"

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,11 @@ class LoopbackCloud:
         """Every create and branch the server accepted (for ``token`` only, if given)."""
         found: list[dict[str, Any]] = self.admin("history")["history"]
         return [h for h in found if token is None or h["owner"] == token]
+
+    def calls(self, token: str) -> dict[str, int]:
+        """The API calls ``token`` made, as the SDK sent them: ``{"POST /v1/machines/{id}/branches": n}``."""
+        found: dict[str, int] = self.admin(f"calls?owner={urllib.parse.quote(token)}")["calls"]
+        return found
 
     def machines(self) -> list[dict[str, Any]]:
         """Every machine the server holds, whatever token made it."""

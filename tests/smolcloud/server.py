@@ -29,6 +29,7 @@ DEFAULT_CPUS = 1
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_DISK_GB = 20
 MACHINE = r"/v1/machines/(?P<id>[^/]+)"
+CALL_ID = "/v1/machines/{id}"  # how /_smolcloud/calls names a machine route
 
 
 def record(store: Store, machine: Machine) -> dict[str, Any]:
@@ -52,11 +53,25 @@ def record(store: Store, machine: Machine) -> dict[str, Any]:
 class CloudServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's listen backlog is 5. Hundreds of concurrent clients open their exec streams
+    # together (a batch of 32 branches becomes ready at once) and the one accepting thread lags
+    # on a busy host: past the backlog the kernel dropped connections and the SDK saw them reset.
+    # A real control plane sits behind a load balancer; this is the server's own limit, not a model.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], store: Store, *, legacy_fork_routes: bool = False) -> None:
         super().__init__(address, Handler)
         self.store = store
         self.legacy_fork_routes = legacy_fork_routes
+        # API calls per token, keyed as the SDK sends them ("POST /v1/machines/{id}/branches/batch"):
+        # how many round trips a run cost, for the concurrency benchmark and tests of batching.
+        self.calls: dict[str, dict[str, int]] = {}
+        self.calls_lock = threading.Lock()
+
+    def count(self, owner: str, call: str) -> None:
+        with self.calls_lock:
+            mine = self.calls.setdefault(owner, {})
+            mine[call] = mine.get(call, 0) + 1
 
 
 Route = tuple[str, re.Pattern[str], Callable[["Handler", dict[str, str]], None]]
@@ -87,6 +102,8 @@ class Handler(BaseHTTPRequestHandler):
             for verb, pattern, handler in ROUTES:
                 match = pattern.fullmatch(parts.path)
                 if match and verb == method:
+                    if not parts.path.startswith("/_smolcloud/"):
+                        self.server.count(self.token, f"{method} {pattern.pattern.replace(MACHINE, CALL_ID)}")
                     handler(self, match.groupdict())
                     return
             raise wire.ApiError(404, "route_not_found", f"no route for {method} {parts.path}")
@@ -321,6 +338,12 @@ class Handler(BaseHTTPRequestHandler):
         with self.server.store.lock:
             self._json(200, {"history": list(self.server.store.history)})
 
+    def admin_calls(self, args: dict[str, str]) -> None:
+        """``{"calls": {"POST /v1/machines": n, ...}}``: the API calls ``?owner=TOKEN`` made."""
+        owner = (self.query.get("owner") or [""])[0]
+        with self.server.calls_lock:
+            self._json(200, {"calls": dict(self.server.calls.get(owner, {}))})
+
     def admin_faults(self, args: dict[str, str]) -> None:
         store = self.server.store
         self._json(200, {"counts": store.faults.counts(),
@@ -350,14 +373,20 @@ ROUTES: list[Route] = [
     _route("GET", r"/_smolcloud/machines", Handler.admin_machines),
     _route("GET", r"/_smolcloud/faults", Handler.admin_faults),
     _route("GET", r"/_smolcloud/history", Handler.admin_history),
+    _route("GET", r"/_smolcloud/calls", Handler.admin_calls),
 ]
 
 
 def _watch_disconnect(connection: socket.socket, cancel: Cancel, done: threading.Event) -> None:
-    """Cancel the command once the client's end of a stream is closed (it sends nothing more)."""
+    """Cancel the command once the client's end of a stream is closed (it sends nothing more).
+
+    poll, not select: a server holding a few hundred machines has descriptors past select's
+    FD_SETSIZE (1024), where select raises ValueError and every stream then looked hung up."""
+    watch = select.poll()
+    watch.register(connection, select.POLLIN)
     while not done.is_set():
         try:
-            readable, _, _ = select.select([connection], [], [], 0.2)
+            readable = watch.poll(200)
             if readable and not connection.recv(1, socket.MSG_PEEK):
                 cancel.cancel()
                 return

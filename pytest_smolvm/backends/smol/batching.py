@@ -4,14 +4,16 @@ With ``--smol-concurrency`` a worker asks for many guests at once, each a branch
 source. On smol cloud each branch is a control-plane round trip that queues per source; the SDK's
 ``Machine.branch_batch(names=[...])`` makes them in one transactional call (every child or none;
 the SDK itself falls back from ``/branches/batch`` to ``/fork-batch`` on an older control plane).
-This module is modelled on the SDK's own coalescer (``smol/harbor.py``, ``_ForkBatcher``): the
-first request for a source opens a batch and, if another branch of that source is under way
-(so requests are coming concurrently), waits a short window or until the batch is full; requests
-arriving meanwhile join it; one call makes them all. A lone request (a serial run) waits for nothing.
-
-Fallbacks the SDK needs: a batch of one is a plain ``branch`` (no batch route needed); if the
-batch call fails, or returns other children than asked for (which are then deleted), every
-request of the batch falls back to its own ``branch``, so one bad batch costs time, not tests.
+This module is modelled on the SDK's own coalescer (``smol/harbor.py``, ``_ForkBatcher``): one
+call in flight per source; requests that arrive while it is under way gather into the next batch,
+made as soon as that call returns (or a full batch, ``MAX_BATCH``, is waiting). The control
+plane queues branches per source anyway (``transport.py``: "Waits out the control plane's
+per-source branch queue"), so a second call in flight would only wait in that queue; gathering
+instead turns the queue into fewer, larger batches. A first request that finds nothing under way
+waits a short window only if another branch of that source is under way (a fallback branch);
+a lone request (a serial run) waits for nothing. Under ``--smol-concurrency`` the tests' creates
+arrive one per item handed over (milliseconds apart, more than the window): the window alone
+batched a third of them (1,000 cloud episodes: 437 branch calls and 228 batches).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _Batch:
         self.full = threading.Event()
         self.done = threading.Event()
         self.children: dict[str, Any] = {}
+        self.error: Exception | None = None  # a batch of one: what its plain branch raised
         self.failed = False
 
 
@@ -41,7 +44,8 @@ class BranchBatcher:
         self.max_size = max_size
         self._open: dict[str, _Batch] = {}
         self._lock = threading.Lock()
-        self._busy: dict[str, int] = {}  # branch calls under way, per source
+        self._busy: dict[str, int] = {}  # fallback branch calls under way, per source
+        self._turns: dict[str, threading.Lock] = {}  # held by the one batch call in flight, per source
         self.calls = 0  # branch and branch_batch calls made (for tests and benchmarks)
 
     def branch(self, source: str, machine: Any, name: str, delete: Callable[[Any], None]) -> Any:
@@ -52,28 +56,30 @@ class BranchBatcher:
             if batch is None:
                 batch = self._open[source] = _Batch()
             batch.names.append(name)
-            concurrent = self._busy.get(source, 0) > 0
+            turn = self._turns.setdefault(source, threading.Lock())
             if len(batch.names) >= self.max_size:
                 del self._open[source]  # full: later requests open another
                 batch.full.set()
         if leader:
-            if concurrent:
-                batch.full.wait(self.window)
-            with self._lock:
-                if self._open.get(source) is batch:
-                    del self._open[source]
-                self._busy[source] = self._busy.get(source, 0) + 1
+            if not turn.acquire(blocking=False):
+                turn.acquire()  # a call is under way: the batch gathers until it returns
+            elif self._busy.get(source, 0) > 0:
+                batch.full.wait(self.window)  # branches under way outside a batch: others may come
             try:
+                with self._lock:
+                    if self._open.get(source) is batch:
+                        del self._open[source]
                 self._make(batch, machine, delete)
             finally:
-                with self._lock:
-                    self._busy[source] -= 1
+                turn.release()
         else:
             batch.done.wait()
         child = batch.children.pop(name, None)
         if child is not None:
             return child
-        with self._lock:  # alone, or the batch failed: this request makes its own branch
+        if batch.error is not None:
+            raise batch.error
+        with self._lock:  # the batch failed: this request makes its own branch
             self.calls += 1
             self._busy[source] = self._busy.get(source, 0) + 1
         try:
@@ -85,7 +91,14 @@ class BranchBatcher:
     def _make(self, batch: _Batch, machine: Any, delete: Callable[[Any], None]) -> None:
         names = list(batch.names)
         try:
-            if len(names) > 1:
+            if len(names) == 1:  # a batch of one is a plain branch: no batch route needed
+                with self._lock:
+                    self.calls += 1
+                try:
+                    batch.children = {names[0]: machine.branch(names[0])}
+                except Exception as exc:
+                    batch.error = exc
+            else:
                 with self._lock:
                     self.calls += 1
                 children = machine.branch_batch(names=names)
