@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package; a module of its own)
+from concurrency import floor  # noqa: E402  (the library-API floor, the same as the namespace benchmark's)
 
 from tests.smolcloud.harness import LoopbackCloud  # noqa: E402
 
@@ -87,26 +88,6 @@ def run_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float,
     return wall, rss, out
 
 
-async def floor(episodes: int, hold: float, concurrency: int) -> float:
-    from pytest_smolvm import Session
-
-    limit = asyncio.Semaphore(concurrency)
-    async with Session(backend="smol", target="cloud", baseline="alpine") as session:
-        await session.adestroy(await session.acreate())  # the run's one decision, outside the timing
-
-        async def one() -> None:
-            async with limit:
-                vm = await session.acreate()
-                try:
-                    await vm.aio.exec(f"sleep {hold:g}")
-                finally:
-                    await session.adestroy(vm)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(episodes)))
-        return time.perf_counter() - started
-
-
 def reported(junit: Path) -> dict[str, int]:
     outcomes = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -149,7 +130,9 @@ def main() -> None:
         left = cloud.wait_for_no_machines(token=token, timeout=30)
         outcomes = reported(work / "junit.xml")
         floor_server_cpu = cpu_seconds(cloud.proc.pid)
-        floor_wall = None if options.no_floor else asyncio.run(floor(options.episodes, options.hold, in_flight))
+        cloud_session = {"backend": "smol", "target": "cloud", "baseline": "alpine"}
+        floor_wall = None if options.no_floor else asyncio.run(
+            floor(options.episodes, options.hold, in_flight, **cloud_session))
         floor_server_cpu = cpu_seconds(cloud.proc.pid) - floor_server_cpu
         creates = sum(calls.get(k, 0) for k in CREATE_CALLS)
         print(f"{options.episodes} episodes x {options.hold:g}s, --smol-concurrency={options.concurrency} "

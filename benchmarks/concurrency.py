@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -56,11 +57,13 @@ def pytest_wall(directory: Path, *args: str) -> float:
     return wall
 
 
-async def floor(episodes: int, hold: float, concurrency: int) -> float:
+async def floor(episodes: int, hold: float, concurrency: int, **session_keywords: Any) -> float:
+    """The same episodes as plain asyncio tasks, each in a guest the library API makes (a
+    namespace guest unless ``session_keywords`` say otherwise): the floor pytest is held to."""
     from pytest_smolvm import Session
 
     limit = asyncio.Semaphore(concurrency)
-    async with Session(backend="namespace") as session:
+    async with Session(**(session_keywords or {"backend": "namespace"})) as session:
         await session.adestroy(await session.acreate())  # the run's one decision, outside the timing
 
         async def one() -> None:
