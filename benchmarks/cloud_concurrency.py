@@ -23,10 +23,8 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -36,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package; a module of its own)
-from concurrency import floor  # noqa: E402  (the library-API floor, the same as the namespace benchmark's)
+from concurrency import floor, timed_pytest  # noqa: E402  (the library-API floor, the same as the namespace benchmark's)
 
 from tests.smolcloud.harness import LoopbackCloud  # noqa: E402
 
@@ -75,17 +73,7 @@ def children_cpu() -> float:
 
 
 def run_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float, PeakRss, str]:
-    started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
-                             *SMOL, *args], cwd=directory, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    with PeakRss(proc.pid) as rss:
-        out, _ = proc.communicate()
-        rss.sample()
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"pytest {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}")
-    return wall, rss, out
+    return timed_pytest(directory, env, *SMOL, *args)
 
 
 def reported(junit: Path) -> dict[str, int]:

@@ -41,8 +41,8 @@ async def test_episode(smol_vm, smol_episode):
 PEAKS: list[float] = []  # summed peak RSS of each pytest run, MB
 
 
-def pytest_wall(directory: Path, *args: str) -> float:
-    env = dict(os.environ, PYTEST_DEBUG_TEMPROOT=str(directory))  # pytest's own temp dirs: this run's alone
+def timed_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float, PeakRss, str]:
+    """A pytest run in ``directory``: its wall time, the peak RSS of its processes, its output."""
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
                              *args], cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -52,7 +52,13 @@ def pytest_wall(directory: Path, *args: str) -> float:
         rss.sample()
     wall = time.perf_counter() - started
     if proc.returncode != 0:
-        raise SystemExit(f"pytest {' '.join(args)} failed:\n{out[-3000:]}")
+        raise SystemExit(f"pytest {' '.join(args)} failed ({proc.returncode}):\n{out[-4000:]}")
+    return wall, rss, out
+
+
+def pytest_wall(directory: Path, *args: str) -> float:
+    env = dict(os.environ, PYTEST_DEBUG_TEMPROOT=str(directory))  # pytest's own temp dirs: this run's alone
+    wall, rss, _out = timed_pytest(directory, env, *args)
     PEAKS.append(rss.total_mb())
     return wall
 
