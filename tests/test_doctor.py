@@ -7,6 +7,7 @@ all: test_first_run.py).
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.backends.smol import probe
-from pytest_smolvm.backends.smol.doctor import pvm_evidence
+from pytest_smolvm.backends.smol.doctor import pvm_evidence, run_doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +49,7 @@ try:
     machine = Machine.create(config, local)
 except SmolError as exc:
     print("VERDICT", "down", exc.code)
+    print("MESSAGE", exc)
     sys.exit(0)
 try:
     print("VERDICT", "up" if machine.exec(["/bin/sh", "-c", "true"]).exit_code == 0 else "down")
@@ -56,8 +58,8 @@ finally:
 """
 
 
-def _sdk_boots_a_microvm(limit: float = 30.0) -> tuple[bool, str]:
-    """(boots, the engine's error code when it does not; "" for a timeout)."""
+def _sdk_boots_a_microvm(limit: float = 30.0) -> tuple[bool, str, str]:
+    """(boots, the engine's error code and message when it does not; "" for a timeout)."""
     name = f"pytest-smolvm-oracle-{os.getpid()}"
     try:
         done = subprocess.run([sys.executable, "-c", INDEPENDENT_BOOT, name, str(limit)], capture_output=True,
@@ -71,11 +73,18 @@ def _sdk_boots_a_microvm(limit: float = 30.0) -> tuple[bool, str]:
         probe.remove_fork_lock(name)
     verdicts = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("VERDICT ")]
     assert verdicts, f"the oracle gave no verdict: {done.stdout}{done.stderr}"
-    return verdicts[0][0] == "up", (verdicts[0][1:] or [""])[0]
+    message = "".join(line[len("MESSAGE "):] for line in done.stdout.splitlines() if line.startswith("MESSAGE "))
+    return verdicts[0][0] == "up", (verdicts[0][1:] or [""])[0], message
+
+
+def _may_lower_an_oom_score() -> bool:
+    """The oracle for CAP_SYS_RESOURCE: a sacrificial child tries what the engine's monitor does."""
+    return subprocess.run(["sh", "-c", "echo -500 > /proc/self/oom_score_adj"], capture_output=True,
+                          timeout=10).returncode == 0
 
 
 def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) -> None:
-    boots, code = _sdk_boots_a_microvm()
+    boots, code, message = _sdk_boots_a_microvm()
     canary = "sk-doctor-canary-do-not-print"
     done = _run_doctor({"SMOL_CLOUD_TOKEN": canary}, tmp_path)
     output = done.stdout + done.stderr
@@ -92,6 +101,27 @@ def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) ->
         assert "would use namespace" in output
         if code:  # the engine's own reason reaches the user
             assert f"[{code}]" in output, output
+        if "oom_score_adj" in message:  # a container's root: said in words, with the fix
+            assert "may not lower its OOM score (CAP_SYS_RESOURCE is missing)" in output, output
+    if sys.platform.startswith("linux") and os.geteuid() == 0:
+        confined_root = not _may_lower_an_oom_score()
+        assert ("root without CAP_SYS_RESOURCE" in output) == confined_root, output
+        assert ("--cap-add=SYS_RESOURCE" in output) == confined_root, output
+
+
+def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
+    # The engine's exact words where root lacks CAP_SYS_RESOURCE (here, and a lent GPU machine, 2026-12-04).
+    reason = ("[SMOLVM_ERROR] Agent error (start machine): agent operation failed: monitor agent: [oom] could not "
+              "set oom_score_adj=-500: Permission denied (os error 13) (boot process exited (code 1) before the "
+              "agent was ready)")
+    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, reason, 15.0))
+    out = io.StringIO()
+    run_doctor(out)
+    text = " ".join(out.getvalue().split())
+    assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
+    assert "--cap-add=SYS_RESOURCE" in text
+    assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
+    assert probe.plain_reason(reason).startswith("the VMM may not lower its OOM score")
 
 
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:

@@ -154,6 +154,21 @@ def _check_kvm(report: Report) -> KvmFacts | None:
     return facts
 
 
+OOM_ADJUST_FIX = (
+    "give pytest CAP_SYS_RESOURCE: run its container with --cap-add=SYS_RESOURCE (Docker, Podman), add "
+    "SYS_RESOURCE to the pod's securityContext.capabilities (Kubernetes), or set "
+    "AmbientCapabilities=CAP_SYS_RESOURCE (a systemd unit)")
+
+
+def _check_capabilities(report: Report) -> None:
+    """A root that lacks CAP_SYS_RESOURCE is a confined one (a container): the engine needs it."""
+    if os.geteuid() != 0 or probe_mod.has_capability(probe_mod.CAP_SYS_RESOURCE) is not False:
+        return  # an ordinary user holds no capabilities at all: nothing to read from that
+    report.line("warn", "capabilities", "you are root without CAP_SYS_RESOURCE (a container's default set "
+                                        "leaves it out); smolmachines' VMM needs it to lower its OOM score")
+    report.fix(OOM_ADJUST_FIX)
+
+
 def _check_pvm(report: Report) -> str | None:
     evidence = pvm_evidence()
     if evidence is None:
@@ -192,6 +207,13 @@ def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: Kvm
                    "must be able to.")
         report.fix(KVM_ACCESS_FIX)
         causes.append("the microVM monitor, which runs as a uid of its own, may not open /dev/kvm")
+    elif probe_mod.is_oom_adjust_denied(reason):
+        report.say("why: the engine's monitor sets its oom_score_adj to -500 before it boots a guest, and "
+                   "the kernel lets a process lower it only with CAP_SYS_RESOURCE, which this one "
+                   "lacks. Docker and Podman leave that capability out of a container's default set, "
+                   "root or not.")
+        report.fix(OOM_ADJUST_FIX)
+        causes.append("the microVM monitor may not lower its OOM score (CAP_SYS_RESOURCE is missing)")
     elif result.timed_out and pvm:
         report.say("why: the guest kernel hangs at boot on this PVM host (see above).")
     elif result.timed_out:
@@ -257,6 +279,8 @@ def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
     _check_platform(report)
     has_smol = _check_smolmachines(report)
     kvm = _check_kvm(report)
+    if sys.platform.startswith("linux"):
+        _check_capabilities(report)
     pvm = _check_pvm(report) if sys.platform.startswith("linux") else None
     if has_smol:
         result = _check_boot(report)

@@ -127,10 +127,33 @@ def is_kvm_access_denied(reason: str) -> bool:
     return "kvmopen(error(13))" in lowered or ("permission denied" in lowered and "kvm" in lowered)
 
 
+def is_oom_adjust_denied(reason: str) -> bool:
+    """The engine's monitor could not lower its OOM score: CAP_SYS_RESOURCE is missing (a container)."""
+    lowered = reason.lower()
+    return "oom_score_adj" in lowered and "permission denied" in lowered
+
+
+# Linux capability number (linux/capability.h); lowering any process's oom_score_adj needs it.
+CAP_SYS_RESOURCE = 24
+
+
+def has_capability(number: int, status: Path = Path("/proc/self/status")) -> bool | None:
+    """Whether this process holds capability ``number`` in its effective set; None where unknown."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> number & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def plain_reason(reason: str) -> str:
     """The engine's reason for a failed boot, in a few words (the raw text is ``doctor``'s)."""
     if is_kvm_access_denied(reason):
         why = "the VMM may not open /dev/kvm"
+    elif is_oom_adjust_denied(reason):
+        why = "the VMM may not lower its OOM score (CAP_SYS_RESOURCE is missing)"
     elif reason.startswith(TIMEOUT_REASON) or reason.startswith(("smolmachines ", "/dev/kvm ", "the smol ")):
         why = reason.split(" (", 1)[0].split(": ", 1)[0]
     else:
