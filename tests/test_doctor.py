@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.backends.smol import probe
+from pytest_smolvm.backends.smol.boot_failures import plain_reason
 from pytest_smolvm.backends.smol.doctor import pvm_evidence, run_doctor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
-    assert probe.plain_reason(reason).startswith("the VMM may not lower its OOM score")
+    assert plain_reason(reason).startswith("the VMM may not lower its OOM score")
 
 
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import ProbeResult
-from pytest_smolvm.backends.smol.probe import plain_reason
+from pytest_smolvm.backends.smol.boot_failures import plain_reason
 from pytest_smolvm.errors import UsageError
 
 

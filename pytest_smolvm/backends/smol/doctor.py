@@ -25,8 +25,9 @@ from typing import TextIO
 
 from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.selection import select_backend
+from pytest_smolvm.backends.smol import boot_failures
 from pytest_smolvm.backends.smol import probe as probe_mod
-from pytest_smolvm.backends.smol.probe import pvm_evidence
+from pytest_smolvm.backends.smol.boot_failures import pvm_evidence
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000
@@ -162,7 +163,7 @@ OOM_ADJUST_FIX = (
 
 def _check_capabilities(report: Report) -> None:
     """A root that lacks CAP_SYS_RESOURCE is a confined one (a container): the engine needs it."""
-    if os.geteuid() != 0 or probe_mod.has_capability(probe_mod.CAP_SYS_RESOURCE) is not False:
+    if os.geteuid() != 0 or boot_failures.has_capability(boot_failures.CAP_SYS_RESOURCE) is not False:
         return  # an ordinary user holds no capabilities at all: nothing to read from that
     report.line("warn", "capabilities", "you are root without CAP_SYS_RESOURCE (a container's default set "
                                         "leaves it out); smolmachines' VMM needs it to lower its OOM score")
@@ -201,13 +202,13 @@ def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: Kvm
     """Say why the boot failed; returns the causes in plain words for the verdict."""
     causes = []
     reason = result.reason
-    if probe_mod.is_kvm_access_denied(reason):
+    if boot_failures.is_kvm_access_denied(reason):
         report.say("why: the VMM could not open /dev/kvm (EACCES). smolmachines drops each VMM to an "
                    "unprivileged uid of its own, so it does not help that you can open /dev/kvm: that uid "
                    "must be able to.")
         report.fix(KVM_ACCESS_FIX)
         causes.append("the microVM monitor, which runs as a uid of its own, may not open /dev/kvm")
-    elif probe_mod.is_oom_adjust_denied(reason):
+    elif boot_failures.is_oom_adjust_denied(reason):
         report.say("why: the engine's monitor sets its oom_score_adj to -500 before it boots a guest, and "
                    "the kernel lets a process lower it only with CAP_SYS_RESOURCE, which this one "
                    "lacks. Docker and Podman leave that capability out of a container's default set, "

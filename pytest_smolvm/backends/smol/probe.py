@@ -39,6 +39,7 @@ from typing import Any
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import ProbeResult
+from pytest_smolvm.backends.smol.boot_failures import TIMEOUT_REASON
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 from pytest_smolvm.host.paths import cache_dir
 from pytest_smolvm.host.procs import process_start_time
@@ -48,7 +49,6 @@ CACHE_FILE = "probe.json"
 # A timed-out boot can be a slow first run while the engine unpacks its 36 MB guest rootfs: it
 # is trusted for minutes. Any other answer holds while the cache key does (module docstring).
 TIMEOUT_TTL = 600.0
-TIMEOUT_REASON = "boot did not finish within"
 PROBE_NAME_PREFIX = "pytest-smolvm-probe-"
 # What changes how a guest boots, so a cached answer is only reused when these are unchanged.
 # Not SMOLVM_SECCOMP/SMOLVM_LANDLOCK: importing smol sets them itself (transport.py:303-304), so
@@ -102,65 +102,6 @@ def precheck() -> ProbeResult | None:
     elif sys.platform != "darwin":
         return ProbeResult(False, f"smolmachines has no local engine for {sys.platform}")
     return None
-
-
-def pvm_evidence() -> str | None:
-    """Why this looks like a PVM host (KVM for guests running inside a cloud VM), or None."""
-    if Path("/sys/module/kvm_pvm").exists():
-        return "the kvm_pvm kernel module is loaded (/sys/module/kvm_pvm)"
-    try:
-        for line in Path("/proc/modules").read_text().splitlines():
-            if line.split(" ", 1)[0] == "kvm_pvm" or "pvm" in line.split(" ", 1)[0]:
-                return f"/proc/modules lists {line.split(' ', 1)[0]}"
-    except OSError:
-        pass
-    params = Path("/sys/module/kvm/parameters")
-    if params.is_dir():
-        names = [p.name for p in params.iterdir() if "pvm" in p.name]
-        if names:
-            return f"/sys/module/kvm/parameters has {', '.join(sorted(names))}"
-    return None
-
-
-def is_kvm_access_denied(reason: str) -> bool:
-    lowered = reason.lower()
-    return "kvmopen(error(13))" in lowered or ("permission denied" in lowered and "kvm" in lowered)
-
-
-def is_oom_adjust_denied(reason: str) -> bool:
-    """The engine's monitor could not lower its OOM score: CAP_SYS_RESOURCE is missing (a container)."""
-    lowered = reason.lower()
-    return "oom_score_adj" in lowered and "permission denied" in lowered
-
-
-# Linux capability number (linux/capability.h); lowering any process's oom_score_adj needs it.
-CAP_SYS_RESOURCE = 24
-
-
-def has_capability(number: int, status: Path = Path("/proc/self/status")) -> bool | None:
-    """Whether this process holds capability ``number`` in its effective set; None where unknown."""
-    try:
-        for line in status.read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> number & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def plain_reason(reason: str) -> str:
-    """The engine's reason for a failed boot, in a few words (the raw text is ``doctor``'s)."""
-    if is_kvm_access_denied(reason):
-        why = "the VMM may not open /dev/kvm"
-    elif is_oom_adjust_denied(reason):
-        why = "the VMM may not lower its OOM score (CAP_SYS_RESOURCE is missing)"
-    elif reason.startswith(TIMEOUT_REASON) or reason.startswith(("smolmachines ", "/dev/kvm ", "the smol ")):
-        why = reason.split(" (", 1)[0].split(": ", 1)[0]
-    else:
-        why = "the engine could not start one"
-    if sys.platform.startswith("linux") and pvm_evidence() is not None:
-        why += ", on a PVM host"
-    return why
 
 
 def _boot_id() -> str:
