@@ -43,7 +43,7 @@ from pytest_smolvm.backends.smol.common import (
     is_retryable,
     provision_error,
 )
-from pytest_smolvm.backends.smol.guest import SmolGuest, delete_machine, read_local_logs
+from pytest_smolvm.backends.smol.guest import SmolGuest, delete_machine, delete_named, read_local_logs
 from pytest_smolvm.backends.smol.reap import destroy_recorded, kept_machines, list_owned, owner_alive, reap_unrecorded
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
@@ -151,7 +151,8 @@ class SmolBackend:
         self._asked = True
         try:
             child = self._batcher.branch(source.name, machine, spec.name,
-                                         lambda extra: delete_machine(extra, extra.name, self.target))
+                                         lambda extra: delete_machine(extra, extra.name, self.target),
+                                         lambda names: delete_named(names, self.target))
         except SmolError as exc:
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,

@@ -48,8 +48,12 @@ class BranchBatcher:
         self._turns: dict[str, threading.Lock] = {}  # held by the one batch call in flight, per source
         self.calls = 0  # branch and branch_batch calls made (for tests and benchmarks)
 
-    def branch(self, source: str, machine: Any, name: str, delete: Callable[[Any], None]) -> Any:
-        """``machine.branch(name)``, made together with other threads' branches of ``source``."""
+    def branch(self, source: str, machine: Any, name: str, delete: Callable[[Any], None],
+               sweep: Callable[[list[str]], None]) -> Any:
+        """``machine.branch(name)``, made together with other threads' branches of ``source``.
+
+        ``delete(child)`` removes a child nobody asked for; ``sweep(names)`` removes whichever
+        machines of those names exist (after a failed batch call)."""
         with self._lock:
             batch = self._open.get(source)
             leader = batch is None
@@ -69,7 +73,7 @@ class BranchBatcher:
                 with self._lock:
                     if self._open.get(source) is batch:
                         del self._open[source]
-                self._make(batch, machine, delete)
+                self._make(batch, machine, delete, sweep)
             finally:
                 turn.release()
         else:
@@ -88,7 +92,8 @@ class BranchBatcher:
             with self._lock:
                 self._busy[source] -= 1
 
-    def _make(self, batch: _Batch, machine: Any, delete: Callable[[Any], None]) -> None:
+    def _make(self, batch: _Batch, machine: Any, delete: Callable[[Any], None],
+              sweep: Callable[[list[str]], None]) -> None:
         names = list(batch.names)
         try:
             if len(names) == 1:  # a batch of one is a plain branch: no batch route needed
@@ -109,6 +114,13 @@ class BranchBatcher:
                 else:
                     batch.children = by_name
         except Exception:
+            # The call may have made the children before it failed (an answer lost on the way
+            # back, a readiness wait that broke): each request falls back to its own branch of
+            # the same name, which would then be taken. What exists of them goes first.
+            try:
+                sweep(names)
+            except Exception:
+                pass  # then a fallback meets "name taken" and reports that as its own error
             batch.failed = True  # each request falls back to its own branch (and its own error)
         finally:
             batch.done.set()

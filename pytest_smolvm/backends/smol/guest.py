@@ -27,8 +27,9 @@ from typing import IO, TYPE_CHECKING, Any
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.backends.smol import handle as smol_handle
-from pytest_smolvm.backends.smol.common import _describe, _is_gone
+from pytest_smolvm.backends.smol.common import _connect, _describe, _is_gone
 from pytest_smolvm.backends.smol.exec_plumbing import SCRATCH, ExecPlumbing
+from pytest_smolvm.backends.smol.reap import destroy_recorded
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.untrusted import rules
@@ -249,6 +250,16 @@ def delete_machine(machine: Machine, name: str, target: str) -> None:
             raise GuestError(f"could not delete smol machine {name}: {_describe(exc)}") from exc
     if target == "local":
         remove_fork_lock(name)
+
+
+def delete_named(names: list[str], target: str) -> None:
+    """Delete whichever machines of these names exist (listed: the cloud deletes by id, not name)."""
+    from smol import Machine
+
+    wanted = set(names)
+    for summary in Machine.list(_connect(target)):
+        if summary.name in wanted:
+            destroy_recorded({"target": target, "id": summary.id, "name": summary.name})
 
 
 def read_local_logs(name: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
