@@ -217,3 +217,37 @@ def test_exitfirst_finishes_what_is_in_flight_and_starts_nothing(pytester: pytes
     assert outcomes["failed"] == 1 and outcomes.get("passed", 0) < 5, outcomes  # -x stopped the rest
     result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
     assert_host_clean(smol_state)
+
+
+def test_guests_are_made_ahead_while_every_slot_is_taken(pytester: pytest.Pytester, smol_state: Path) -> None:
+    """A freed slot should find its next guest ready: once the runner has measured how long a
+    guest takes to make and a test to run, it starts the next guests while all N still run."""
+    events = pytester.path / "events.txt"
+    pytester.makeconftest(f"""
+        import time
+
+        def pytest_smolvm_configure_vm(item, spec):  # called as a test's guest is asked for
+            with open({str(events)!r}, "a") as f:
+                f.write(f"ask {{item.name}} {{time.monotonic()}}\\n")
+    """)
+    pytester.makepyfile(test_ahead=f"""
+        import time
+        import pytest
+
+        @pytest.mark.smol_episodes(8, concurrency=2)
+        async def test_x(smol_vm, smol_episode):
+            with open({str(events)!r}, "a") as f:
+                f.write(f"start {{smol_episode.index}} {{time.monotonic()}}\\n")
+            await smol_vm.aio.exec("sleep 1")
+            with open({str(events)!r}, "a") as f:
+                f.write(f"end {{smol_episode.index}} {{time.monotonic()}}\\n")
+    """)
+    pytester.runpytest_subprocess("-p", "no:anyio").assert_outcomes(passed=8)
+    lines = [line.split() for line in events.read_text().splitlines()]
+    starts = {name: float(t) for kind, name, t in lines if kind == "start"}
+    ends = {name: float(t) for kind, name, t in lines if kind == "end"}
+    asks = [float(t) for kind, _, t in lines if kind == "ask"]
+    running_at_ask = [sum(starts[n] <= t < ends[n] for n in starts) for t in asks]
+    # Made only as slots free, a guest is asked for while at most one other test runs.
+    assert max(running_at_ask) == 2, running_at_ask
+    assert_host_clean(smol_state)

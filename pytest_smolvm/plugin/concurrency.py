@@ -16,7 +16,8 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
   after its setup and put back right before its teardown (:func:`detach`, :func:`attach`).
 - The body runs as a task; its outcome is replayed in the call phase (async_tests.py), so pytest
   builds the report (traceback, xfail, timeouts) as for any test; its duration is the body's.
-- Guests are made before setup on threads of their own (premade.py): creates overlap.
+- Guests are made before setup on threads of their own (premade.py): creates overlap. While N
+  run, the next guests are made ahead, as many as free up while one is made (slots.py).
 - pytest-timeout's timer would time the hand-off, not the test: its ``pytest_timeout_set_timer``
   hook is taken over and the body's task bounded instead; at expiry the task is cancelled
   (which kills its guest commands) and the test fails with pytest-timeout's message.
@@ -39,6 +40,7 @@ from _pytest.runner import call_and_report
 from pytest_smolvm.plugin import premade
 from pytest_smolvm.plugin.async_tests import GUEST_FIXTURES, REPLAY_KEY
 from pytest_smolvm.plugin.item_state import Detached, attach, detach, group_key
+from pytest_smolvm.plugin.slots import Pace, Slots
 
 if TYPE_CHECKING:
     import asyncio
@@ -91,6 +93,8 @@ class ConcurrentRunner:
         self.premades: list[premade.Premade] = []
         self._worker: Any = None  # xdist's WorkerInteractor, in a worker
         self._indices: dict[int, int] = {}
+        self.pace = Pace()
+        self.slots = Slots()  # held from a test's setup to the end of its teardown
 
     # -------------------------------------------------------------- which items
 
@@ -198,12 +202,11 @@ class ConcurrentRunner:
             self._drain(item)
         self.key = key
         limit = self.takes(item)
-        self._run_until(lambda: len(self.flights) < limit)
+        self._run_until(lambda: len(self.flights) < limit + self.pace.ahead(limit))
         session = item.session
         if session.shouldfail or session.shouldstop:
             self._drain(nextitem)  # a -x failure met while waiting: this one is not started
             return
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         flight = _Flight(item, self.timeouts.pop(item, None))
         self.flights[item] = flight
         flight.task = self._loop().create_task(self._episode(flight))
@@ -245,6 +248,7 @@ class ConcurrentRunner:
         self.flights.clear()
         self.upcoming = self.final = self.key = None
         self.failure = None
+        self.slots = Slots()  # tasks that did not unwind in time hold no slot of a later run
 
     # -------------------------------------------------------------- one item
 
@@ -255,12 +259,18 @@ class ConcurrentRunner:
             if hasattr(item, "_request") and not item._request:
                 item._initrequest()  # a re-run (pytest-rerunfailures), as pytest's runtestprotocol does
             await self._provision(flight)
+            await self.slots.take(self._loop(), self.takes(item), flight)
+            if item.session.shouldfail or item.session.shouldstop:
+                return  # a -x failure met while its guest was made ahead: this one is not started
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+            holding = time.monotonic()
             report = self._phase(flight, "setup")
             if report.passed:
                 await self._body(flight)
                 item.stash[REPLAY_KEY] = flight.outcome
                 self._phase(flight, "call")
             self._phase(flight, "teardown", nextitem=self._next_after(item))
+            self.pace.held(time.monotonic() - holding)
             finished = True
         except BaseException as exc:
             if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not flight.interrupted:
@@ -269,6 +279,7 @@ class ConcurrentRunner:
         finally:
             if not finished:
                 self._teardown_quietly(flight)
+            self.slots.free(flight)
             self.flights.pop(item, None)
             if flight.premade is not None:
                 flight.premade.abandon()  # a guest nobody took (the test did not use smol_vm)
@@ -308,12 +319,14 @@ class ConcurrentRunner:
                 pass  # the loop has closed: nobody waits any more
 
         assert self.key is not None
+        asked = time.monotonic()
         flight.premade = premade.start(item, self.run, self.setups[self.key], wake)
         if flight.premade is None:
             return
         self.premades = [p for p in self.premades if not p.done.is_set()]
         self.premades.append(flight.premade)
         await ready
+        self.pace.made(time.monotonic() - asked)
 
     def _phase(self, flight: _Flight, when: str, **kwds: Any) -> pytest.TestReport:
         item = flight.item
