@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,55 @@ def test_owner_alive_needs_the_same_process_not_just_the_pid() -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert not owner_alive({"owner_pid": gone})
+
+
+# pytest's own writes to the environment (it sets PYTEST_CURRENT_TEST at each phase and removes it
+# after each test), against the lookup the SDK makes before every cloud request, on another thread.
+ENVIRON_RACE = """
+import os, sys, threading, time, urllib.request
+if sys.argv[1] == "guarded":
+    from pytest_smolvm.backends.smol import proxy_lookup
+    proxy_lookup.install()
+errors, stop = [], threading.Event()
+
+def lookups():
+    while not stop.is_set():
+        try:
+            urllib.request.getproxies()
+        except (KeyError, RuntimeError) as exc:
+            errors.append(exc)
+
+reader = threading.Thread(target=lookups)
+reader.start()
+deadline = time.monotonic() + 1.0
+while time.monotonic() < deadline:
+    os.environ["PYTEST_CURRENT_TEST"] = "test_x.py::test_x (call)"
+    os.environ.pop("PYTEST_CURRENT_TEST")
+stop.set()
+reader.join()
+print(len(errors))
+"""
+
+
+def test_the_sdks_proxy_lookup_survives_pytest_changing_the_environment() -> None:
+    def failed_lookups(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", ENVIRON_RACE, mode], capture_output=True, text=True,
+                              timeout=60, cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert failed_lookups("plain") > 0  # the race is real on this host (tens a second, measured)
+    assert failed_lookups("guarded") == 0
+
+
+def test_the_cloud_backend_guards_the_proxy_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.request
+
+    from pytest_smolvm.backends.base import BackendOptions
+    from pytest_smolvm.backends.smol.backend import SmolBackend
+
+    monkeypatch.setattr(urllib.request, "getproxies", urllib.request.getproxies)  # undone after the test
+    monkeypatch.setenv("SMOL_CLOUD_TOKEN", "not-used")
+    before = urllib.request.getproxies
+    SmolBackend(BackendOptions(target="cloud"))
+    assert urllib.request.getproxies is not before and urllib.request.getproxies.__wrapped__ is before  # type: ignore[attr-defined]

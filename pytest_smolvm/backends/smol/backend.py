@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import BackendOptions, Guest, ProbeResult, VMSpec
+from pytest_smolvm.backends.smol import proxy_lookup
 from pytest_smolvm.backends.smol.batching import BranchBatcher
 from pytest_smolvm.backends.smol.common import (
     DEFAULT_CPUS,
@@ -86,6 +87,8 @@ class SmolBackend:
             raise UsageError("--smol-target=cloud needs a smol cloud API key: set SMOL_CLOUD_TOKEN "
                              "or log in with the smol CLI (smol auth login)")
         self.target = target
+        if target == "cloud":
+            proxy_lookup.install()  # the SDK's every request reads the environment pytest changes
         # (pid, start time) identifies the owner even after its pid is reused: the reaper's test.
         self.labels = {LABEL: "1", "owner_pid": str(os.getpid()),
                        "owner_start": str(process_start_time(os.getpid())), "owner_host": host_identity(),
