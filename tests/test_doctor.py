@@ -12,13 +12,16 @@ import os
 import subprocess
 import sys
 import time
+import types
+import uuid
 from pathlib import Path
 
 import pytest
 
 from pytest_smolvm.backends.smol import probe
-from pytest_smolvm.backends.smol.boot_failures import plain_reason
-from pytest_smolvm.backends.smol.doctor import pvm_evidence, run_doctor
+from pytest_smolvm.backends.smol.boot_failures import plain_reason, pvm_evidence
+from pytest_smolvm.backends.smol.doctor import run_doctor
+from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,12 +69,12 @@ def _sdk_boots_a_microvm(limit: float = 30.0) -> tuple[bool, str, str]:
         done = subprocess.run([sys.executable, "-c", INDEPENDENT_BOOT, name, str(limit)], capture_output=True,
                               text=True, timeout=limit + 30, start_new_session=True)
     except subprocess.TimeoutExpired:
-        return False, ""  # a boot that never finishes is no boot
+        return False, "", ""  # a boot that never finishes is no boot
     finally:
         subprocess.run([sys.executable, "-c", "import sys; from smol import ConnectOptions, Machine; "
                         "Machine.delete_by_name(sys.argv[1], ConnectOptions(target='local'))", name],
                        capture_output=True, timeout=60, check=False)
-        probe.remove_fork_lock(name)
+        remove_fork_lock(name)
     verdicts = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("VERDICT ")]
     assert verdicts, f"the oracle gave no verdict: {done.stdout}{done.stderr}"
     message = "".join(line[len("MESSAGE "):] for line in done.stdout.splitlines() if line.startswith("MESSAGE "))
@@ -122,7 +125,7 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
-    assert plain_reason(reason).startswith("the VMM may not lower its OOM score")
+    assert plain_reason(reason).startswith("the VMM lacks CAP_SYS_RESOURCE")
 
 
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:
@@ -161,9 +164,12 @@ def test_a_stalled_boot_is_killed_and_cleaned_up(monkeypatch: pytest.MonkeyPatch
         pytest.skip("only a PVM host with KVM reliably stalls a boot")
     from pytest_smolvm.backends.smol.backend import list_owned
 
-    vms_dir = probe.vm_data_dir("x").parent
-    before = set(os.listdir(vms_dir)) if vms_dir.is_dir() else set()
-    vmms_before = _vmm_pids()
+    # This probe's own machines, by name: other workers' probes may boot on this host meanwhile.
+    fixed = uuid.uuid4()
+    monkeypatch.setattr(probe, "uuid", types.SimpleNamespace(uuid4=lambda: fixed))
+    name = f"{probe.PROBE_NAME_PREFIX}{fixed.hex[:12]}"
+    ours = {name, f"{name}-b"}
+    data_dirs = {vm_data_dir(each) for each in ours}
     monkeypatch.setenv("SMOLVM_VM_UID_DROP", "off")
     limit = 5.0
     started = time.monotonic()
@@ -174,17 +180,17 @@ def test_a_stalled_boot_is_killed_and_cleaned_up(monkeypatch: pytest.MonkeyPatch
         pytest.skip(f"the boot did not stall here: {report.reason}")
     assert report.reason.startswith(f"boot did not finish within {limit:g}s")
     assert elapsed < limit + probe.DELETE_TIMEOUT + 5
-    assert [m.name for m in list_owned({"pytest-smolvm": "1", "role": "probe"})] == []
-    after = set(os.listdir(vms_dir)) if vms_dir.is_dir() else set()
-    assert after <= before, f"the probe left {sorted(after - before)} in {vms_dir}"
+    assert [m.name for m in list_owned({"pytest-smolvm": "1", "role": "probe"}) if m.name in ours] == []
+    assert [str(d) for d in data_dirs if d.exists()] == [], "the probe left its data dir"
     deadline = time.monotonic() + 10
-    while _vmm_pids() - vmms_before and time.monotonic() < deadline:
+    while _vmm_pids(data_dirs) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _vmm_pids() - vmms_before, "a VMM process outlived the probe"
+    assert not _vmm_pids(data_dirs), "a VMM process outlived the probe"
 
 
-def _vmm_pids() -> set[int]:
-    """Live (not zombie) smolmachines VMM processes on this host."""
+def _vmm_pids(data_dirs: set[Path]) -> set[int]:
+    """Live (not zombie) smolmachines VMM processes of these machines (their data dir is in the
+    VMM's command line: ``smol-vmm _boot-vm <data dir>/boot-config.json``)."""
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -194,6 +200,6 @@ def _vmm_pids() -> set[int]:
             state = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"smol-vmm" in cmdline and state != b"Z":
+        if b"smol-vmm" in cmdline and state != b"Z" and any(str(d).encode() in cmdline for d in data_dirs):
             found.add(int(entry))
     return found

@@ -104,8 +104,11 @@ def test_the_cloud_backend_guards_the_proxy_lookup(monkeypatch: pytest.MonkeyPat
     from pytest_smolvm.backends.base import BackendOptions
     from pytest_smolvm.backends.smol.backend import SmolBackend
 
-    monkeypatch.setattr(urllib.request, "getproxies", urllib.request.getproxies)  # undone after the test
+    # The plain lookup, as in a process where no cloud backend was made yet (another test's may have been).
+    plain = getattr(urllib.request.getproxies, "__wrapped__", urllib.request.getproxies)
+    monkeypatch.setattr(urllib.request, "getproxies", plain)  # undone after the test
     monkeypatch.setenv("SMOL_CLOUD_TOKEN", "not-used")
-    before = urllib.request.getproxies
     SmolBackend(BackendOptions(target="cloud"))
-    assert urllib.request.getproxies is not before and urllib.request.getproxies.__wrapped__ is before  # type: ignore[attr-defined]
+    assert urllib.request.getproxies is not plain and urllib.request.getproxies.__wrapped__ is plain  # type: ignore[attr-defined]
+    SmolBackend(BackendOptions(target="cloud"))  # a second backend does not wrap the lookup twice
+    assert urllib.request.getproxies.__wrapped__ is plain  # type: ignore[attr-defined]

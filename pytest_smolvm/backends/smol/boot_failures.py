@@ -62,7 +62,7 @@ def plain_reason(reason: str) -> str:
     if is_kvm_access_denied(reason):
         why = "the VMM may not open /dev/kvm"
     elif is_oom_adjust_denied(reason):
-        why = "the VMM may not lower its OOM score (CAP_SYS_RESOURCE is missing)"
+        why = "the VMM lacks CAP_SYS_RESOURCE"  # short: it goes in the summary line
     elif reason.startswith(TIMEOUT_REASON) or reason.startswith(("smolmachines ", "/dev/kvm ", "the smol ")):
         why = reason.split(" (", 1)[0].split(": ", 1)[0]
     else:
