@@ -251,3 +251,54 @@ def test_guests_are_made_ahead_while_every_slot_is_taken(pytester: pytest.Pytest
     # Made only as slots free, a guest is asked for while at most one other test runs.
     assert max(running_at_ask) == 2, running_at_ask
     assert_host_clean(smol_state)
+
+
+MADE_AHEAD_INTERRUPTED = """
+    import os
+    from pathlib import Path
+
+    import pytest
+
+    MARKS = Path(os.environ["MARKS"])
+
+    @pytest.mark.smol_episodes(6, concurrency=2)
+    async def test_ep(smol_vm, smol_episode):
+        (MARKS / f"started-{smol_episode.index}").touch()
+        # the first two measure the pace; the rest hold their slots until interrupted
+        await smol_vm.aio.exec("sleep 0.5" if smol_episode.index < 2 else "sleep 600")
+"""
+
+
+def test_ctrl_c_releases_guests_made_ahead_for_tests_that_never_started(pytester: pytest.Pytester,
+                                                                        smol_state: Path, tmp_path: Path) -> None:
+    pytester.makeconftest("""
+        import os
+        from pathlib import Path
+
+        def pytest_smolvm_configure_vm(item, spec):  # a test's guest is asked for
+            (Path(os.environ["MARKS"]) / f"asked-{item.name}").touch()
+    """)
+    pytester.makepyfile(test_ahead=MADE_AHEAD_INTERRUPTED)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "MARKS": str(marks)}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:anyio", "-p", "no:cacheprovider"],
+                            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                (marks / "started-2").exists() and (marks / "started-3").exists()
+                and (marks / "asked-test_ep[ep4]").exists()):
+            time.sleep(0.1)
+        assert (marks / "asked-test_ep[ep4]").exists(), "no guest was made ahead while both slots were held"
+        time.sleep(2)  # the made-ahead guest exists by now (a namespace guest takes a fraction of that)
+        assert not (marks / "started-4").exists()
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, output
+    assert not (marks / "started-4").exists(), output
+    assert_host_clean(smol_state)
