@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,27 +161,36 @@ INTERRUPTED = """
 """
 
 
-def test_ctrl_c_destroys_every_test_in_flight(pytester: pytest.Pytester, smol_state: Path,
-                                              tmp_path: Path) -> None:
-    pytester.makepyfile(test_long=INTERRUPTED)
-    marks = tmp_path / "marks"
+def _interrupted_when(pytester: pytest.Pytester, marks: Path, args: list[str], ready: Callable[[], bool],
+                      never_ready: str, settle: float = 0.0) -> tuple[int, str]:
+    """Run pytest in ``pytester.path`` (``MARKS`` set), SIGINT it once ``ready()``; its exit status and output."""
     marks.mkdir()
     env = {**os.environ, "MARKS": str(marks)}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "--smol-concurrency=4", "-p", "no:anyio",
-                             "-p", "no:cacheprovider"], cwd=pytester.path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, "-p", "no:anyio", "-p", "no:cacheprovider"],
+                            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while len(list(marks.glob("started-*"))) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        while not ready() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert len(list(marks.glob("started-*"))) == 4, "the four episodes never were in flight together"
+        assert ready(), never_ready
+        time.sleep(settle)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 2, output  # pytest's "interrupted"
+    return proc.returncode, output
+
+
+def test_ctrl_c_destroys_every_test_in_flight(pytester: pytest.Pytester, smol_state: Path,
+                                              tmp_path: Path) -> None:
+    pytester.makepyfile(test_long=INTERRUPTED)
+    marks = tmp_path / "marks"
+    returncode, output = _interrupted_when(
+        pytester, marks, ["--smol-concurrency=4"], lambda: len(list(marks.glob("started-*"))) == 4,
+        "the four episodes never were in flight together")
+    assert returncode == 2, output  # pytest's "interrupted"
     assert "KeyboardInterrupt" in output
     assert sorted(p.name for p in marks.glob("torn-down-*")) == [f"torn-down-test_long[ep{i}]" for i in range(4)]
     assert_host_clean(smol_state)
@@ -280,25 +290,11 @@ def test_ctrl_c_releases_guests_made_ahead_for_tests_that_never_started(pytester
     """)
     pytester.makepyfile(test_ahead=MADE_AHEAD_INTERRUPTED)
     marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**os.environ, "MARKS": str(marks)}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:anyio", "-p", "no:cacheprovider"],
-                            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None and not (
-                (marks / "started-2").exists() and (marks / "started-3").exists()
-                and (marks / "asked-test_ep[ep4]").exists()):
-            time.sleep(0.1)
-        assert (marks / "asked-test_ep[ep4]").exists(), "no guest was made ahead while both slots were held"
-        time.sleep(2)  # the made-ahead guest exists by now (a namespace guest takes a fraction of that)
-        assert not (marks / "started-4").exists()
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 2, output
+    returncode, output = _interrupted_when(
+        pytester, marks, [], lambda: all((marks / name).exists() for name in ("started-2", "started-3",
+                                                                              "asked-test_ep[ep4]")),
+        "no guest was made ahead while both slots were held",
+        settle=2.0)  # the made-ahead guest exists by then (a namespace guest takes a fraction of that)
+    assert returncode == 2, output
     assert not (marks / "started-4").exists(), output
     assert_host_clean(smol_state)
