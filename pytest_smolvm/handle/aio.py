@@ -131,13 +131,13 @@ class _Loop:
             else:
                 future.set_result(result)  # type: ignore[arg-type]
 
-        def target() -> None:
+        def target() -> Callable[[], None]:
             try:
                 result = fn()
-            except BaseException as exc:  # handed to the awaiting task
-                self.call_soon(settle, None, exc)
-            else:
-                self.call_soon(settle, result, None)
+            except BaseException as exc:  # handed to the awaiting task, once this thread is idle again
+                error = exc
+                return lambda: self.call_soon(settle, None, error)
+            return lambda: self.call_soon(settle, result, None)
 
         _THREADS.submit(target)
         try:

@@ -8,6 +8,11 @@ calls, two cores) cost milliseconds per call on the one thread every test in fli
 Here a call goes to an idle kept thread when there is one, and starts one only when none is
 idle; a thread idle for ``IDLE_SECONDS`` ends. A call that never returns keeps its thread,
 exactly as a thread of its own would have been kept.
+
+A call may return a second step, run after its thread counts itself idle again: the hand-back
+of a result to the caller. Handed back first, the caller's next call could come before the
+thread was idle and start another thread (up to 7 for 10 calls one after another, on a loaded
+host); handed back after, calls one after another share one thread.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from collections.abc import Callable
 
 from pytest_smolvm.host.signals import start_thread
 
+# A call, and what it returns: the step to run once its thread is idle again, or None.
+Call = Callable[[], Callable[[], None] | None]
+
 IDLE_SECONDS = 30.0
 
 
@@ -27,12 +35,13 @@ class KeptThreads:
     def __init__(self, name: str, idle_seconds: float = IDLE_SECONDS) -> None:
         self._name = name
         self._idle_seconds = idle_seconds
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for a job and not yet promised one
 
-    def submit(self, call: Callable[[], None]) -> None:
-        """Run ``call()`` soon on another thread; what it raises is its own to report."""
+    def submit(self, call: Call) -> None:
+        """Run ``call()`` soon on another thread, then the step it returns, if any; what either
+        raises is its own to report."""
         with self._lock:
             # The job is queued under the lock that promises it an idle thread: a thread whose
             # wait times out checks, under the same lock, that no job was promised to it.
@@ -52,9 +61,15 @@ class KeptThreads:
                         self._idle -= 1
                         return
                 continue  # a job was promised to an idle thread as this one timed out: take it
+            then = None
             try:
-                call()
+                then = call()
             except BaseException:  # the call's own business; this thread serves the next
                 pass
             with self._lock:
                 self._idle += 1
+            if then is not None:
+                try:
+                    then()
+                except BaseException:
+                    pass
