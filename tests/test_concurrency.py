@@ -7,6 +7,7 @@ together; run one at a time, the first would wait alone and fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -172,7 +173,7 @@ def _interrupted_when(pytester: pytest.Pytester, marks: Path, args: list[str], r
         deadline = time.monotonic() + 120
         while not ready() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert ready(), never_ready
+        assert ready(), f"{never_ready}: {sorted(m.name for m in marks.iterdir())}"
         time.sleep(settle)
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
@@ -298,3 +299,26 @@ def test_ctrl_c_releases_guests_made_ahead_for_tests_that_never_started(pytester
     assert returncode == 2, output
     assert not (marks / "started-4").exists(), output
     assert_host_clean(smol_state)
+
+
+def test_a_freed_slot_goes_to_the_first_waiter_not_to_a_newcomer() -> None:
+    """Under load a newcomer could take a freed slot before the woken waiter ran; the waiter then
+    queued again at the back (seen: a test made ahead ran before the one waiting longer)."""
+    import asyncio
+
+    from pytest_smolvm.plugin.slots import Slots
+
+    async def scenario() -> set[object]:
+        loop, slots = asyncio.get_running_loop(), Slots()
+        await slots.take(loop, 1, "a")
+        waiting = asyncio.create_task(slots.take(loop, 1, "b"))
+        await asyncio.sleep(0)  # b waits
+        slots.free("a")  # b is woken, but has not run yet, when c asks in the same turn of the loop
+        newcomer = slots.take(loop, 1, "c")
+        with contextlib.suppress(StopIteration):  # StopIteration: c took the slot at once
+            newcomer.send(None).cancel()  # c waits (for this future): c gives up
+        newcomer.close()
+        await asyncio.wait_for(waiting, 5)
+        return slots.holders
+
+    assert asyncio.run(scenario()) == {"b"}
