@@ -7,6 +7,7 @@ backend's probe gave (``-rs`` shows it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import socket
@@ -16,6 +17,7 @@ import sys
 import tarfile
 import threading
 import time
+import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -392,6 +394,33 @@ def test_copy_out_never_parses_a_guest_stream_with_tarfile(vm: VM, tmp_path: Pat
     assert (out / "sub" / "f").read_text() == "a\n" and (out / "h").stat().st_ino == (out / "sub" / "f").stat().st_ino
     one = vm.copy_out("/work/t/sub/f", tmp_path / "one")
     assert one.read_text() == "a\n" and stat.S_IMODE(one.stat().st_mode) == 0o640
+
+
+def _peak_bytes_held(call: Any) -> int:
+    """The most memory this process held at once (Python allocations) while ``call`` ran."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(OSError, GuestError):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_read_past_its_cap_holds_no_more_than_the_cap(vm: VM, tmp_path: Path) -> None:
+    """What a guest sends is refused as it arrives, not once it has all arrived (issue 23.7):
+    the smol backend once had the SDK read a whole file, then looked at its size."""
+    vm.exec("mkdir -p /work/tree && head -c 48m /dev/zero > /work/big && cp /work/big /work/tree/", check=True)
+    cap, held = 1 << 20, 8 << 20  # held: the cap, a pipe and the transfer's own pieces, with room
+    with pytest.raises(OSError) as refused:
+        vm.read_file("/work/big", max_bytes=cap)
+    assert refused.value.errno == errno.EFBIG
+    assert _peak_bytes_held(lambda: vm.read_file("/work/big", max_bytes=cap)) < held
+    for source in ("/work/big", "/work/tree"):
+        with pytest.raises((OSError, GuestError)):
+            vm.copy_out(source, tmp_path / "refused", max_bytes=cap)
+        assert _peak_bytes_held(lambda src=source: vm.copy_out(src, tmp_path / "refused", max_bytes=cap)) < held, source
+        assert not (tmp_path / "refused").exists()
 
 
 # --------------------------------------------------------------------------- defaults

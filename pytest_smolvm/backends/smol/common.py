@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pytest_smolvm.errors import ProvisionError
+from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError
 
 if TYPE_CHECKING:
     from smol import ConnectOptions, SmolError
@@ -22,6 +22,7 @@ SOURCE_LABEL = "pytest-smolvm-source"  # children inherit their source's labels:
 SOURCE_PREFIX = "pytest-smolvm-src-"
 DERIVED = " + setup"  # ends a warm baseline's reference; never part of an image reference (no spaces)
 GONE_CODES = frozenset({"NOT_FOUND", "VM_NOT_FOUND"})
+USER_HINTS = ("user", "passwd", "uid")  # an engine error that mentions these is about the user
 TIMEOUT_CODES = frozenset({"TIMEOUT", "CANCELLED", "INTERRUPTED"})
 # Worth another provisioning attempt whatever the server's ``retryable`` flag says: the request
 # never got an answer (CONNECTION, TIMEOUT), or the machine was cut off under it.
@@ -107,3 +108,12 @@ class OwnedMachine:
     state: str
     labels: Mapping[str, str]
     is_source: bool
+
+
+def exec_error(exc: SmolError, name: str, user: str | None) -> Exception:
+    """The error a failed exec stands for: a user the engine refused is named as such."""
+    message = f"[{exc.code}] {exc.message}"
+    if user is not None and (exc.code in ("INVALID_CONFIG", "NOT_SUPPORTED") or
+                             any(hint in exc.message.lower() for hint in USER_HINTS)):
+        return GuestUserError(f"user {user!r} in {name}: {message}")
+    return GuestError(f"exec in {name} failed: {message}")

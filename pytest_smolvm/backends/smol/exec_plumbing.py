@@ -3,8 +3,8 @@
 On the cloud one SDK call carries the output byte-exact (``ExecOptions(output="b64")``, the
 ``?output=b64`` query; transport.py:1231-1259). The local SDK hands output back already decoded
 as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each command's
-stdout/stderr go to files in the guest, trimmed there and read back with ``read_file``. That
-also means a background process that keeps the command's stdout open can never hold a local exec
+stdout/stderr go to files in the guest, trimmed there and read back by :mod:`.streamed_read`.
+That also means a background process that keeps the command's stdout open can never hold a local exec
 open. A call with a user, live output or a cancel goes through ``handle.stream_exec`` on both
 targets.
 """
@@ -23,6 +23,7 @@ from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.backends.smol import handle as smol_handle
 from pytest_smolvm.backends.smol.common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
 from pytest_smolvm.backends.smol.sdk import exec_cancellable
+from pytest_smolvm.backends.smol.streamed_read import read_capped
 from pytest_smolvm.errors import GuestError
 
 if TYPE_CHECKING:
@@ -218,20 +219,21 @@ class ExecPlumbing:
             timer.cancel()
 
     def _read_output(self, path: str, limit: int, dropped: int, *, required: bool) -> tuple[bytes, bool]:
-        """The output file, at most ``limit`` bytes, and whether it was cut."""
+        """The output file, at most ``limit`` bytes, and whether it was cut.
+
+        Read as a stream and stopped at the cap, whatever the in-guest trim reported: a process
+        the command left behind may have grown the file after it."""
         from smol import SmolError
 
         try:
-            data = self._machine.read_file(path)
-        except SmolError as exc:
-            if required and not _is_gone(exc):
-                raise GuestError(f"exec in {self.name}: could not read its output: {_describe(exc)}") from exc
+            data, longer = read_capped(self._machine, path, limit, name=self.name, what="exec output",
+                                       timeout=limits.LIMITS.smol_plumbing)
+        except GuestError as exc:
+            cause = exc.__cause__
+            if required and not (isinstance(cause, SmolError) and _is_gone(cause)):
+                raise GuestError(f"exec in {self.name}: could not read its output: {exc}") from exc
             return b"", False
-        if dropped or len(data) > limit:
-            # Bounded here whatever the in-guest trim reported: a process the command left behind
-            # may have grown the file after it.
-            return bounded(data, limit), True
-        return data, False
+        return data, bool(dropped) or longer
 
     def _sdk_write(self, path: str, data: bytes, mode: int | None) -> None:
         from smol import SmolError

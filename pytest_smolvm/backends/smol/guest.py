@@ -17,6 +17,7 @@ import errno
 import io
 import os
 import posixpath
+import re
 import tarfile
 import tempfile
 import threading
@@ -31,12 +32,37 @@ from pytest_smolvm.backends.smol.common import _connect, _describe, _is_gone
 from pytest_smolvm.backends.smol.exec_plumbing import SCRATCH, ExecPlumbing
 from pytest_smolvm.backends.smol.reap import destroy_recorded
 from pytest_smolvm.backends.smol.sdk import remove_fork_lock, vm_data_dir
+from pytest_smolvm.backends.smol.streamed_read import (
+    NO_WRAP,
+    GuestBytes,
+    OverCap,
+    StreamFailed,
+    pour_to_reader,
+    read_capped,
+)
 from pytest_smolvm.errors import GuestError
 from pytest_smolvm.untrusted import rules
 
 if TYPE_CHECKING:
     from smol import Machine
 
+# $2 as base64 after one header line (streamed_read): "dir" (a tar of it, staged in file $1 and
+# made whole before the header, so a tar that fails says so before anything is sent), "file
+# MODE SIZE" (its bytes, opened before the header), "link" (its target) or "other".
+ARCHIVE_SCRIPT = NO_WRAP + r"""
+s=$1 p=$2
+if [ -d "$p" ] && [ ! -L "$p" ]; then
+  cd "$p" || exit 1
+  if ! e=$(tar -cf "$s" . 2>&1); then
+    rm -f -- "$s"; echo "$e" | tail -n 3 >&2
+    case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1
+  fi
+  echo dir; base64 $w <"$s"; rc=$?; rm -f -- "$s"; exit $rc
+elif [ -L "$p" ]; then echo link; printf %s "$(readlink -- "$p")" | base64 $w
+elif [ -f "$p" ]; then exec <"$p" || exit 1; echo "file $(stat -c '%a %s' -- "$p")"; exec base64 $w
+elif [ -e "$p" ]; then echo other
+else echo "No such file or directory" >&2; exit 2; fi
+"""
 LOG_FILES = ("agent-startup-error.log", "agent-console.log", "vmm-exit.json", "workload.log")
 LOG_TAIL_BYTES = 64 << 10
 
@@ -85,17 +111,15 @@ class SmolGuest(ExecPlumbing):
             raise smol_handle.classify(self._raw_exec, path, "write", None) or exc from None
 
     def read_file(self, path: str, *, max_bytes: int | None = None, user: str | None = None) -> bytes:
-        from smol import SmolError
-
         if user is not None:
             user, _home = smol_handle.resolve_user(self._machine, user, self.name)
-            return smol_handle.read_as(self._raw_exec, path, user=user, max_bytes=max_bytes, name=self.name)
         try:
-            data = self._machine.read_file(path)
-        except SmolError as exc:
-            refused = smol_handle.classify(self._raw_exec, path, "read", None)
-            raise refused or GuestError(f"read_file {path} in {self.name}: {_describe(exc)}") from exc
-        if max_bytes is not None and len(data) > max_bytes:  # the SDK reads whole files: checked after
+            data, longer = read_capped(self._machine, path, (1 << 62) if max_bytes is None else max_bytes,
+                                       name=self.name, what=f"read_file {path}", user=user,
+                                       timeout=limits.LIMITS.smol_plumbing)
+        except GuestError as exc:
+            raise smol_handle.classify(self._raw_exec, path, "read", user) or exc from None
+        if longer:
             raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes}", path)
         return data
 
@@ -121,56 +145,27 @@ class SmolGuest(ExecPlumbing):
                     user: str | None = None) -> None:
         """The guest's own tar of a directory, named relative to it (``./...``), which the host's
         extractor places under ``arcname`` itself; a single file comes as one member the host
-        writes. Either way no host-side pass parses the guest's stream before hostfs does."""
+        frames. Either way the bytes reach ``consume`` as they arrive, bounded, and no host-side
+        pass parses the guest's stream before hostfs does."""
         if user is not None:
             user, _home = smol_handle.resolve_user(self._machine, user, self.name)
-        normalized = posixpath.normpath(guest_path)
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
         try:
-            try:
-                # A member the user may not read fails tar as a whole: exit 13 says so.
-                kind = self._sh_output(
-                    'if [ -d "$2" ] && [ ! -L "$2" ]; then cd "$2" || exit 1; '
-                    'e=$(tar -cf "$1" . 2>&1) && { echo dir; exit 0; }; echo "$e" | tail -n 3 >&2; '
-                    'case "$e" in *"Permission denied"*) echo "Permission denied" >&2; exit 13;; esac; exit 1; '
-                    'elif [ -L "$2" ]; then echo link; readlink -- "$2"; '
-                    'elif [ -f "$2" ]; then echo file; stat -c "%a %s" -- "$2"; '
-                    'elif [ -e "$2" ]; then echo other; else echo "No such file or directory" >&2; exit 2; fi',
-                    staged, normalized, what=f"copy_out of {guest_path}", user=user)
-            except GuestError as exc:
-                refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
-                if refused is None and "Permission denied" in str(exc):
-                    refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
-                raise refused or exc from None
-            what, _, detail = kind.partition("\n")
-            if what == "dir":
-                data = self._read_bounded(staged, f"copy_out of {guest_path}")
-            elif what == "file":
-                mode, size = (int(field, 8 if i == 0 else 10) for i, field in enumerate(detail.split()[:2]))
-                data = _one_member(arcname, self._read_bounded(normalized, f"copy_out of {guest_path}",
-                                                              size), mode=mode)
-            elif what == "link":
-                data = _one_member(arcname, b"", link=detail.strip())  # judged by hostfs like any link
-            else:
-                raise GuestError(f"copy_out of {guest_path}: not a regular file, directory or symlink")
-        finally:
-            with contextlib.suppress(GuestError):
+            with GuestBytes(self._machine, ARCHIVE_SCRIPT, [staged, posixpath.normpath(guest_path)],
+                            name=self.name, what=f"copy_out of {guest_path}", user=user,
+                            timeout=limits.LIMITS.smol_plumbing) as answer:
+                try:
+                    header = answer.header()
+                except StreamFailed as exc:
+                    refused = smol_handle.classify(self._raw_exec, guest_path, "tree", user)
+                    if refused is None and "Permission denied" in exc.stderr:
+                        refused = PermissionError(errno.EACCES, os.strerror(errno.EACCES), guest_path)
+                    raise refused or exc from None
+                _send_archive(answer, header, arcname, consume)
+        except BaseException:
+            with contextlib.suppress(GuestError):  # a tree's staged tar, where its script did not get to it
                 self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
-        consume(io.BytesIO(data))
-
-    def _read_bounded(self, path: str, what: str, size: int | None = None) -> bytes:
-        """A guest file read whole (the SDK has no ranged read), refused past copy_out's byte cap."""
-        from smol import SmolError
-
-        if size is not None and size > limits.LIMITS.copy_out_bytes:
-            raise GuestError(f"{what}: more than {limits.LIMITS.copy_out_bytes} bytes (the cap); refused")
-        try:
-            data = self._machine.read_file(path)
-        except SmolError as exc:
-            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
-        if len(data) > limits.LIMITS.copy_out_bytes + rules.HEADER_ALLOWANCE * 1024:
-            raise GuestError(f"{what}: more than {limits.LIMITS.copy_out_bytes} bytes (the cap); refused")
-        return bytes(data)
+            raise
 
     def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:
         """:meth:`_sh`, returning the snippet's stdout."""
@@ -281,14 +276,32 @@ def read_local_logs(name: str, tail_bytes: int = LOG_TAIL_BYTES) -> str:
     return "\n".join(parts)
 
 
-def _one_member(name: str, data: bytes, *, mode: int = 0o644, link: str | None = None) -> bytes:
-    """A one-member tar the host writes itself (a copied file or link): nothing of it is parsed."""
-    info = tarfile.TarInfo(name)
-    if link is not None:
-        info.type, info.linkname = tarfile.SYMTYPE, link
+def _send_archive(answer: GuestBytes, header: str, arcname: str, consume: Callable[[IO[bytes]], None]) -> None:
+    """What ARCHIVE_SCRIPT's ``header`` announces, as a tar ``consume`` reads."""
+    kind, _, detail = header.partition(" ")
+    file = re.fullmatch(r"([0-7]{1,6}) ([0-9]{1,20})", detail)
+    if kind == "dir" and not detail:
+        caps = rules.Caps()  # hostfs holds the call's own caps; this bounds the transfer itself
+        pour_to_reader(answer, consume, limit=caps.max_bytes + rules.HEADER_ALLOWANCE * caps.max_members)
+    elif kind == "file" and file is not None:
+        mode, size = int(file.group(1), 8), int(file.group(2))
+        if size > limits.LIMITS.copy_out_bytes:
+            raise GuestError(f"{answer.what}: more than {limits.LIMITS.copy_out_bytes} bytes (the cap); refused")
+        info = tarfile.TarInfo(arcname)
+        info.size, info.mode = size, mode & 0o7777
+        end = b"\0" * (-size % tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE)  # padding, then the end blocks
+        pour_to_reader(answer, consume, limit=size, expect=size, suffix=end,
+                       prefix=info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+    elif kind == "link" and not detail:
+        target = io.BytesIO()
+        try:
+            answer.pour(target.write, rules.MAX_NAME)
+        except OverCap:
+            raise GuestError(f"{answer.what}: a link target over {rules.MAX_NAME} bytes") from None
+        info = tarfile.TarInfo(arcname)
+        info.type, info.linkname = tarfile.SYMTYPE, target.getvalue().decode("utf-8", "surrogateescape")
+        consume(io.BytesIO(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") + b"\0" * 2 * tarfile.BLOCKSIZE))
+    elif kind == "other" and not detail:
+        raise GuestError(f"{answer.what}: not a regular file, directory or symlink")
     else:
-        info.size, info.mode = len(data), mode & 0o7777
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        tar.addfile(info, io.BytesIO(data) if link is None else None)
-    return buffer.getvalue()
+        raise GuestError(f"{answer.what}: the guest answered {header[:80]!r}, not what was asked")

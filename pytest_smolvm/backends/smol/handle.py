@@ -9,8 +9,9 @@ SDK offers decides the shape (read in ``smol/transport.py`` and ``smol/types.py`
   and kills the command's process tree.
 - ``ExecOptions.user`` runs a command as an image's user; a bare VM (no image) refuses it.
 - ``read_file``/``write_file`` have no user and no errno: a failure is classified by a small
-  shell check in the guest (run only after a failure), and a user's file operation runs as a
-  command of that user, its bytes carried as base64 (exec output and stdin are text).
+  shell check in the guest (run only after a failure), and a user's write runs as a command of
+  that user, its bytes carried as base64 on stdin (which is text). Reads go through
+  :mod:`.streamed_read`, for every user.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
+from pytest_smolvm.backends.smol.common import exec_error
+from pytest_smolvm.backends.smol.streamed_read import read_capped
 from pytest_smolvm.errors import GuestError, GuestUserError
 
 if TYPE_CHECKING:
@@ -33,7 +36,6 @@ if TYPE_CHECKING:
 
 TIMEOUT_EXIT = 124
 KILLED_EXITS = frozenset({TIMEOUT_EXIT, 128 + 9, 128 + 15, -9, -15})
-USER_HINTS = ("user", "passwd", "uid")
 
 # Exit status = the errno of what is wrong with path $1 for operation $2 (read, write, tree:
 # archive it, dir: enter it), 0 if nothing is. Runs as the operation's user, so -r/-w/-x
@@ -61,12 +63,6 @@ fi
 [ "$op" = write ] && { [ -w "$p" ] || exit 13; }
 exit 0
 """
-# Read $1 as base64 unless it is over $2 bytes (exit 27, EFBIG).
-READ_SCRIPT = r"""
-s=$(wc -c <"$1") || exit 1
-[ "$s" -gt "$2" ] && exit 27
-base64 <"$1"
-"""
 # Write stdin's base64 to $1 (parents made, mode $2 if given).
 WRITE_SCRIPT = r"""
 mkdir -p -- "$(dirname -- "$1")" && base64 -d >"$1" && { [ -z "$2" ] || chmod "$2" "$1"; }
@@ -83,13 +79,11 @@ def resolve_user(machine: Machine, user: str, name: str) -> tuple[str, str]:
     Looked up here rather than left to the engine, whose answer to an unknown user differs
     by target (an error, or a failed command): the guest's file, parsed with a byte cap.
     """
-    from smol import SmolError
-
     try:
-        data = machine.read_file("/etc/passwd")[:PASSWD_LIMIT]
-    except SmolError as exc:
-        raise GuestUserError(f"user {user!r} in {name}: cannot read the guest's /etc/passwd: "
-                             f"[{exc.code}] {exc.message}") from exc
+        data, _longer = read_capped(machine, "/etc/passwd", PASSWD_LIMIT, name=name, what="reading /etc/passwd",
+                                    timeout=60)
+    except GuestError as exc:
+        raise GuestUserError(f"user {user!r} in {name}: cannot read the guest's /etc/passwd: {exc}") from exc
     entries = [line.split(":") for line in data.decode("utf-8", "replace").splitlines()]
     entries = [e for e in entries if len(e) >= 6 and e[0] and not e[0].startswith("#")]
     entry = next((e for e in entries if e[0] == user), None)
@@ -142,7 +136,7 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
     try:
         stream = machine.exec_stream(list(argv), opts)
     except SmolError as exc:
-        raise _exec_error(exc, name, user) from exc
+        raise exec_error(exc, name, user) from exc
 
     def kill() -> None:
         # Closing the stream kills the command locally; on the cloud that is up to the control
@@ -171,10 +165,10 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
             elif kind == "exit":
                 exit_code = int(event.get("exit_code", -1))
             elif kind == "error" and not (cancel is not None and cancel.cancelled):
-                raise _exec_error(SmolError("EXEC_FAILED", str(event.get("message", ""))), name, user)
+                raise exec_error(SmolError("EXEC_FAILED", str(event.get("message", ""))), name, user)
     except SmolError as exc:
         if timeout is None or exc.code not in ("TIMEOUT", "CANCELLED", "INTERRUPTED"):
-            raise _exec_error(exc, name, user) from exc
+            raise exec_error(exc, name, user) from exc
         exit_code = TIMEOUT_EXIT
     finally:
         if cancel is not None:
@@ -190,14 +184,6 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
     truncated = tuple(s for s, b in (("stdout", out), ("stderr", err)) if b.dropped)
     return GuestExecResult(TIMEOUT_EXIT if timed_out else exit_code, out.value(), err.value(), timed_out,
                            truncated, cancelled)
-
-
-def _exec_error(exc: Any, name: str, user: str | None) -> Exception:
-    message = f"[{exc.code}] {exc.message}"
-    if user is not None and (exc.code in ("INVALID_CONFIG", "NOT_SUPPORTED") or
-                             any(hint in exc.message.lower() for hint in USER_HINTS)):
-        return GuestUserError(f"user {user!r} in {name}: {message}")
-    return GuestError(f"exec in {name} failed: {message}")
 
 
 # Exit status = the errno execve would give for program $1 (PATH search as execvp), 0 if it runs.
@@ -263,21 +249,7 @@ def _run_as(run: Runner, command: list[str], *, user: str, name: str, stdin: str
     try:
         return run(command, env={}, workdir=None, timeout=600, user=user, stdin=stdin)
     except SmolError as exc:
-        raise _exec_error(exc, name, user) from exc
-
-
-def read_as(run: Runner, path: str, *, user: str, max_bytes: int | None, name: str) -> bytes:
-    limit = max_bytes if max_bytes is not None else 1 << 62
-    result = _run_as(run, ["/bin/sh", "-c", READ_SCRIPT, "pytest-smolvm", path, str(limit)], user=user, name=name)
-    if result.exit_code == errno.EFBIG:
-        raise OSError(errno.EFBIG, f"File too large: over read_file's max_bytes={max_bytes}", path)
-    if result.exit_code != 0:
-        raise classify(run, path, "read", user) or GuestError(
-            f"read_file {path} in {name} as {user}: {result.stderr.strip() or f'exit {result.exit_code}'}")
-    try:
-        return base64.b64decode(result.stdout, validate=False)
-    except ValueError as exc:
-        raise GuestError(f"read_file {path} in {name}: undecodable transfer: {exc}") from exc
+        raise exec_error(exc, name, user) from exc
 
 
 def write_as(run: Runner, path: str, data: bytes, mode: int | None, *, user: str, name: str) -> None:
