@@ -64,7 +64,7 @@ def main() -> None:
     try:
         backend.prepare_run(baseline)
         guest = backend.create(VMSpec(name=f"bench-files-{uuid.uuid4().hex[:8]}", baseline=baseline))
-        vm, machine = VM(guest), guest._machine  # type: ignore[attr-defined]
+        vm, machine = VM(guest), guest._machine
         vm.exec(SETUP, check=True, timeout=600)
         out = work / "out"
 
