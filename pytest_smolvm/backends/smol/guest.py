@@ -92,7 +92,16 @@ class SmolGuest(ExecPlumbing):
 
     def _sh(self, script: str, *args: str, what: str, user: str | None = None) -> None:
         """Run a plumbing shell snippet; raise GuestError with its stderr when it fails."""
-        self._sh_output(script, *args, what=what, user=user)
+        from smol import SmolError
+
+        try:
+            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
+                                    workdir=None, timeout=limits.LIMITS.smol_plumbing, user=user)
+        except SmolError as exc:
+            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
+        if result.exit_code != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
 
     # ---------------------------------------------------------------- files
 
@@ -166,20 +175,6 @@ class SmolGuest(ExecPlumbing):
             with contextlib.suppress(GuestError):  # a tree's staged tar, where its script did not get to it
                 self._sh('rm -f -- "$1"', staged, what="copy_out cleanup")
             raise
-
-    def _sh_output(self, script: str, *args: str, what: str, user: str | None = None) -> str:
-        """:meth:`_sh`, returning the snippet's stdout."""
-        from smol import SmolError
-
-        try:
-            result = self._raw_exec(["/bin/sh", "-c", script, "pytest-smolvm", *args], env={},
-                                    workdir=None, timeout=limits.LIMITS.smol_plumbing, user=user)
-        except SmolError as exc:
-            raise GuestError(f"{what} in {self.name}: {_describe(exc)}") from exc
-        if result.exit_code != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()
-            raise GuestError(f"{what} in {self.name}: {detail[-1] if detail else f'exit {result.exit_code}'}")
-        return str(result.stdout)
 
     # ---------------------------------------------------------------- logs and lifetime
 
