@@ -78,12 +78,19 @@ class GuestBytes:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """End the command if it is still running (thread-safe: ``kill`` is)."""
+    def kill(self) -> None:
+        """End the command if it is still running; safe from another thread (``ExecStream.kill`` is)."""
         try:
             self._stream.kill()
-            self._stream.close()
         except Exception:  # a stream that already ended has nothing to end
+            pass
+
+    def close(self) -> None:
+        """Kill, then let go of the stream: from the thread that reads it, or once it is done."""
+        self.kill()
+        try:
+            self._stream.close()
+        except Exception:
             pass
 
     def header(self) -> str:
@@ -203,14 +210,14 @@ def pour_to_reader(answer: GuestBytes, consume: Callable[[IO[bytes]], None], *, 
         with open(read_end, "rb") as reader:
             consume(reader)
     except BaseException:
-        answer.close()
+        answer.kill()
         feeder.join()
         raise
     # The reader is closed: a write now fails at once. A guest that keeps its stream open with
     # nothing more to say is ended, and what the reader took stands.
     feeder.join(AFTER_CONSUMED)
     if feeder.is_alive():
-        answer.close()
+        answer.kill()
         feeder.join()
         return
     if failed:
