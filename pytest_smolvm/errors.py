@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from pytest_smolvm.untrusted.inert import inert
+
 
 class SmolVMError(Exception):
-    """Base class of every pytest-smolvm error."""
+    """Base class of every pytest-smolvm error.
+
+    Its message is made inert here, once for every error: many quote a guest (a command's
+    stderr, a member's name, an engine's error), and each reaches a terminal, JUnit and HTML.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(inert(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class UsageError(SmolVMError):

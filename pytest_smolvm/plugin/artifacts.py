@@ -106,6 +106,28 @@ def cap_text(text: str, limit: int, where: str = "") -> str:
     return f"{text[:head]}\n[... pytest-smolvm: {cut} characters cut here{hint} ...]\n{text[-tail:]}"
 
 
+def make_report_inert(report: pytest.TestReport) -> None:
+    """The report of a test that used a guest, with nothing in it that acts on a terminal.
+
+    The second wall behind the plugin's own errors (made inert where raised, errors.py): guest
+    text reaches a report by paths the plugin does not build, an assertion message quoting a
+    command's output, a ``print`` in the test, an exception chained from one that quotes the
+    guest. A traceback is flattened to its text only where there is something to escape in it,
+    so any other keeps pytest's structure (and its colours).
+    """
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, reason)
+        path, line, reason = longrepr
+        report.longrepr = (path, line, inert(reason))
+    elif longrepr is not None:
+        text = str(longrepr)
+        if inert(text) != text:
+            report.longrepr = inert(text)
+    report.sections = [(title, inert(body)) for title, body in report.sections]
+    if isinstance(getattr(report, "wasxfail", None), str):
+        report.wasxfail = inert(report.wasxfail)
+
+
 def guest_text(live: LiveGuest) -> str:
     """The guest's logs and transcript, inert (see inert.py) for every sink; never raises (a
     broken guest must not hide the failure)."""

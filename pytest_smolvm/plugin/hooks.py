@@ -225,6 +225,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         from pytest_smolvm.plugin import artifacts
 
         artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
+        artifacts.make_report_inert(report)
     return report
 
 
