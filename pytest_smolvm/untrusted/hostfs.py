@@ -219,15 +219,17 @@ class Extractor(TreeWalker):
             self.written += size
             if member.sparse is None:
                 whole = tar.small()
+                zeros = 0  # a run of zeros not written yet, counted across reads of any size
                 holes = False
                 for view in (whole,) if whole is not None else tar.data():
-                    if len(view) >= HOLE_MIN and ZEROS.startswith(view):
-                        os.lseek(fd, len(view), os.SEEK_CUR)  # a guest's zeros cost the host no blocks
-                        holes = True
+                    if ZEROS.startswith(view):
+                        zeros += len(view)
                         continue
+                    holes |= _zeros_out(fd, zeros)
+                    zeros = 0
                     while view:
                         view = view[os.write(fd, view):]
-                if holes:
+                if _zeros_out(fd, zeros) or holes:
                     os.ftruncate(fd, member.size)
             else:
                 self._write_sparse(tar, fd, member)
@@ -320,6 +322,17 @@ def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
             depth.append(part)
     return not prefix or (bool(depth) and depth[0] == prefix)
 
+
+
+def _zeros_out(fd: int, count: int) -> bool:
+    """``count`` zeros at ``fd``'s offset: a hole when the run is long (a guest's zeros cost the
+    host no blocks), written otherwise. Whether it left a hole."""
+    if count >= HOLE_MIN:
+        os.lseek(fd, count, os.SEEK_CUR)
+        return True
+    while count:
+        count -= os.write(fd, ZEROS[:count])
+    return False
 
 
 def extract(stream: IO[bytes], dest: str | os.PathLike[str], policy: Policy, caps: Caps | None = None) -> None:

@@ -15,6 +15,7 @@ import stat
 import tarfile
 import uuid
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,53 @@ def test_long_zero_runs_land_as_holes(tmp_path: Path) -> None:
     with open(out / "zeros", "rb") as f:
         f.seek(zeros - 4)
         assert f.read() == bytes(4) + b"tail"
+
+
+class _ShortReads(io.RawIOBase):
+    """A pipe's reads: each returns what is there, here at most 40 KiB, never a whole 64 KiB."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), 40 << 10, len(self._data) - self._pos)
+        buffer[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def test_zero_runs_arriving_in_short_reads_still_land_as_holes(tmp_path: Path) -> None:
+    """A guest's truncated (sparse) file comes as zeros through a pipe whose reads are shorter
+    than a hole's minimum: the run counts across reads, not one read at a time."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    zeros = 64 << 20
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo(f"{PAYLOAD}/zeros")
+        info.size = 4 + zeros + 4
+        tar.addfile(info, io.BytesIO(b"head" + bytes(zeros) + b"tail"))
+    hostfs.extract(_ShortReads(buffer.getvalue()), dest, rules.Policy("copy_out", prefix=PAYLOAD))
+    st = (dest / PAYLOAD / "zeros").stat()
+    assert st.st_size == zeros + 8
+    assert st.st_blocks * 512 <= 4 << 20
+    with open(dest / PAYLOAD / "zeros", "rb") as f:
+        assert f.read(4) == b"head"
+        f.seek(zeros)
+        assert f.read() == bytes(4) + b"tail"
+
+
+def test_copy_out_of_a_truncated_guest_file_costs_the_host_no_blocks(vm: VM, tmp_path: Path) -> None:
+    """The independent attack set's case: ``truncate -s`` is free in the guest, and the guest's
+    tar sends it as plain zeros through a pipe (short reads)."""
+    vm.exec("mkdir -p /t && truncate -s 256M /t/sparse && echo end >> /t/sparse", check=True)
+    out = vm.copy_out("/t", tmp_path / "out")
+    st = (out / "sparse").stat()
+    assert st.st_size == (256 << 20) + 4
+    assert st.st_blocks * 512 <= 4 << 20
 
 
 # ------------------------------------------------------------------ copy_out's destination
