@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.inert import inert
 
 
 class SmolVMError(Exception):

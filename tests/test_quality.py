@@ -30,7 +30,7 @@ MAX_MODULE_LINES = 400
 # Rooms from the top down (docs/architecture.md): a module imports only its own room or rooms
 # below it. The pytest face (plugin, evals), the command and the Inspect provider share the top.
 ROOMS = [("plugin", "evals", "cli", "integrations"), ("session",), ("handle",), ("backends",), ("baselines",),
-         ("untrusted",), ("host",), ("errors", "limits")]
+         ("untrusted",), ("host",), ("errors", "limits", "inert")]
 
 
 def _modules() -> dict[str, Path]:

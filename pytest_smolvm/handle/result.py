@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from pytest_smolvm.errors import ExecError
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.inert import inert
 
 TRANSCRIPT_TAIL = 2000
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_smolvm import limits
+from pytest_smolvm.inert import inert
 from pytest_smolvm.plugin import xdist
 from pytest_smolvm.untrusted import walk
-from pytest_smolvm.untrusted.inert import inert
 
 if TYPE_CHECKING:
     from pytest_smolvm.session.pool import LiveGuest

@@ -19,8 +19,8 @@ from pytest_smolvm.backends.base import Backend, Guest
 from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.errors import BaselineSetupError, UsageError
 from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.inert import inert
 from pytest_smolvm.session.plan import RunPlan
-from pytest_smolvm.untrusted.inert import inert
 
 SETUP_KEY = pytest.StashKey["BaselineSetup"]()
 

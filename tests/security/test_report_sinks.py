@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.inert import inert
 
 # An OSC 52 clipboard write, a clear screen, a C1 CSI (0x9b) and a right-to-left override
 # (U+202E): what a hostile guest prints.

@@ -15,8 +15,8 @@ import stat
 import tarfile
 import uuid
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.inert import inert
 
 INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
 PROHIBITED = ("169.254.0.0/16",)

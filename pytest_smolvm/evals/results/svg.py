@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytest_smolvm.untrusted.inert import inert
+from pytest_smolvm.inert import inert
 
 WIDTH, HEIGHT = 340, 170
 _LEFT, _RIGHT, _TOP, _BOTTOM = 44, 12, 14, 34
