@@ -41,11 +41,11 @@ READ_SCRIPT = NO_WRAP + 'exec <"$1" || exit 1\necho file\nexec base64 $w\n'
 
 
 class StreamFailed(GuestError):
-    """The guest's command ended with a status other than 0 (or without one)."""
+    """The guest's command ended with a status other than 0 (or without one); ``stderr`` is its
+    error output, which callers read for why."""
 
-    def __init__(self, message: str, exit_code: int | None, stderr: str) -> None:
+    def __init__(self, message: str, stderr: str) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
         self.stderr = stderr
 
 
@@ -158,7 +158,7 @@ class GuestBytes:
         stderr = self._stderr.value().decode("utf-8", "replace").strip()
         status = "no exit status" if self._exit is None else f"exit {self._exit}"
         detail = stderr.splitlines()[-1] if stderr else status
-        return StreamFailed(f"{self.what}: {detail}", self._exit, stderr)
+        return StreamFailed(f"{self.what}: {detail}", stderr)
 
 
 def read_capped(machine: Machine, path: str, limit: int, *, name: str, what: str,
