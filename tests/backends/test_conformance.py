@@ -191,6 +191,20 @@ def test_copy_tree_round_trip_keeps_modes_and_links(vm: VM, tmp_path: Path) -> N
     assert single.read_bytes() == (src / "secret").read_bytes()
 
 
+def test_copy_in_of_a_deep_tree_keeps_its_shape_and_times(vm: VM, tmp_path: Path) -> None:
+    """300 levels: deeper than the namespace unpacker holds open, and past ustar's 100-char names."""
+    src = tmp_path / "src"
+    bottom = src.joinpath(*["level"] * 300)
+    subprocess.run(["mkdir", "-p", str(bottom)], check=True)  # os.makedirs recurses once per level
+    (bottom / "f").write_text("bottom\n")
+    (src / "top").write_text("top\n")
+    os.utime(src / "top", (1_600_000_000, 1_600_000_000))
+    vm.copy_in(src, "/work/deep")
+    deep = "/work/deep/" + "/".join(["level"] * 300)
+    assert vm.exec(f"cat {deep}/f").stdout == "bottom\n"
+    assert vm.exec("stat -c %Y /work/deep/top").stdout == "1600000000\n"
+
+
 def test_copy_out_keeps_directory_modes(vm: VM, tmp_path: Path) -> None:
     vm.exec("mkdir -p /work/d/private && chmod 750 /work/d/private", check=True)
     out = vm.copy_out("/work/d", tmp_path / "back")

@@ -140,12 +140,12 @@ class NamespaceGuest:
 
     def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
                     user: str | None = None) -> None:
-        """Run the guest side's extract with ``produce`` writing its stdin from a thread.
+        """Run the guest side's unpacker (``helper/unpack.py``) with ``produce`` writing its
+        stdin from a thread.
 
-        A socket, not a pipe, for the same reason as in :meth:`_stream_out`: the guest's tar is
-        the guest's to replace, and a process it leaves behind holding stdin unread would keep
-        ``produce`` blocked forever; once the guest side has exited, shutting down our end
-        wakes ``produce`` with a broken pipe.
+        A socket, not a pipe, as in :meth:`_stream_out`: once the guest side has exited,
+        shutting down our end wakes ``produce`` with a broken pipe, whatever else may hold the
+        other end (no guest program is run to read it, so nothing should).
         """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(OSError):  # more in flight, fewer wake-ups (capped at net.core.wmem_max)

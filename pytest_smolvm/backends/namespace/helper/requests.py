@@ -15,6 +15,7 @@ import tarfile
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.kernel import SIGNAL_EXIT_BASE
+from pytest_smolvm.backends.namespace.helper.unpack import Unpacker
 
 # tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
 # root once we are inside it. Never load guest-provided code into a privileged process.
@@ -228,15 +229,8 @@ GUEST_TARS = ("/bin/tar", "/usr/bin/tar")
 def _op_put_archive(message: dict[str, Any]) -> int:
     dest = message["path"]
     os.makedirs(dest, exist_ok=True)
-    for tar_path in GUEST_TARS:
-        if os.access(tar_path, os.X_OK):
-            # The guest's own tar writes only into the guest, and it is much faster than
-            # tarfile per member; the archive is the host's own files. Every member is owned
-            # by 0:0 already, so no chown per file (-o): a large share of its time on a small-file tree.
-            os.execv(tar_path, [tar_path, "-x", "-p", "-o", "-f", "-", "-C", dest])
-    with os.fdopen(0, "rb", closefd=False) as src, tarfile.open(fileobj=src, mode="r|") as tar:
-        # The archive comes from the host's own files; the guest root contains any link.
-        tar.extractall(dest, numeric_owner=True, filter="fully_trusted")
+    with os.fdopen(0, "rb", buffering=1 << 16, closefd=False) as src:
+        Unpacker(dest, src.read).run()
     return 0
 
 
