@@ -160,6 +160,17 @@ class Unpacker:
             parts = name.split(b"/")
             if b"" in parts or b"." in parts:
                 parts = [part for part in parts if part and part != b"."]
+            if kind in REGULAR_TYPES and len(parts) == len(self.names) + 1 and parts[:-1] == self.names \
+                    and b".." not in parts:
+                # Most members: a file in the directory the last one was in. No call costs here
+                # more than it must (10,000 small files: each microsecond is 10 ms).
+                at = self._fd(len(self.stack) - 1)
+                try:
+                    self._write_file(at, parts[-1], mode, mtime_ns, size)
+                    continue
+                except OSError as exc:
+                    shown = os.path.join(self.dest, os.fsdecode(b"/".join(parts)))
+                    raise OSError(exc.errno, exc.strerror or str(exc), shown) from None
             try:
                 self._member(kind, parts, link or _text(header[157:257]) if kind in LINK_TYPES else b"",
                              mode, mtime_ns, size, header)
@@ -178,18 +189,7 @@ class Unpacker:
         at = self._enter(parts[:-1])
         base = parts[-1]
         if kind in REGULAR_TYPES:
-            try:
-                fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
-            except FileExistsError:
-                os.unlink(base, dir_fd=at)  # replaced, never written through
-                fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
-            try:
-                self._copy(fd, size)
-                if mode & 0o7000:
-                    os.fchmod(fd, mode)
-                os.utime(fd, ns=(mtime_ns, mtime_ns))
-            finally:
-                os.close(fd)
+            self._write_file(at, base, mode, mtime_ns, size)
             return
         if size and kind != b"5":
             raise OSError(errno.EINVAL, f"a tar member of type {kind!r} with data")
@@ -223,15 +223,37 @@ class Unpacker:
             os.unlink(base, dir_fd=at)  # a directory there stays, and says so (EISDIR)
             return make()
 
+    def _write_file(self, at: int, base: bytes, mode: int, mtime_ns: int, size: int) -> None:
+        try:
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
+        except FileExistsError:
+            os.unlink(base, dir_fd=at)  # replaced, never written through
+            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
+        try:
+            if size <= CHUNK:  # one read brings the data and its padding
+                data = self._exactly(size + (-size % BLOCK))
+                if size and os.write(fd, data[:size]) != size:
+                    self._write_all(fd, memoryview(data)[:size])
+            else:
+                self._copy(fd, size)
+            if mode & 0o7000:
+                os.fchmod(fd, mode)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _write_all(fd: int, view: memoryview) -> None:
+        while view:
+            view = view[os.write(fd, view):]
+
     def _copy(self, fd: int, size: int) -> None:
         left = size
         while left:
             step = min(left, CHUNK)
             # The last piece brings the member's padding with it: one read less per small file.
             chunk = self._exactly(step if step < left else step + (-size % BLOCK))
-            view = memoryview(chunk)[:step]
-            while view:
-                view = view[os.write(fd, view):]
+            self._write_all(fd, memoryview(chunk)[:step])
             left -= step
 
     def _exactly(self, size: int) -> bytes:
