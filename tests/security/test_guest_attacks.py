@@ -349,6 +349,18 @@ def test_7g_copy_in_never_runs_the_guests_tar(vm: VM, tmp_path: Path) -> None:
     assert vm.read_file("/workspace/tree/sub/f") == b"tree\n"
 
 
+def test_7h_a_guest_tar_that_fails_is_reported_in_its_own_words_every_time(vm: VM, tmp_path: Path) -> None:
+    """The host's reader sees the empty stream at about the moment the guest side exits: the
+    guest's own reason must win that race, not "empty stream" (a replaced tar, as in 7g)."""
+    vm.exec("mkdir -p /t && echo x > /t/f && for t in /bin/tar /usr/bin/tar; do rm -f $t; "
+            "printf '#!/bin/sh\\necho \"tar: the guest says no\" >&2\\nexit 2\\n' > $t && chmod 755 $t; done",
+            check=True)
+    for attempt in range(30):
+        with pytest.raises(GuestError, match="the guest says no"):
+            vm.copy_out("/t", tmp_path / f"out-{attempt}")
+        assert not (tmp_path / f"out-{attempt}").exists()
+
+
 # ------------------------------------------------------------------ 8. default limits
 
 

@@ -34,6 +34,8 @@ from pytest_smolvm.baselines.baseline import Rootfs
 from pytest_smolvm.errors import GuestError, ProvisionError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
 
+KILLED_BY_HOST = 128 + signal.SIGKILL  # a request's exit status when the host cancelled it
+
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",
@@ -110,7 +112,10 @@ class NamespaceGuest:
             raise_error(result.error, self.name, f"{message['op']} {message['path']}")
         if result.timed_out:  # a bound on every host-side read: a stalled or stalling guest side
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: took longer than {timeout:.0f}s")
-        if result.exit_code != 0 and not result.cancelled:
+        # A cancelled op (the host's reader refused the stream, a cap) was killed: unless the
+        # guest side had already failed on its own, when its reason says more than the reader's
+        # ("empty stream"), whichever of the two the host happened to see first.
+        if result.exit_code != 0 and not (result.cancelled and result.exit_code == KILLED_BY_HOST):
             detail = result.stderr.decode(errors="replace").strip().splitlines()
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
                              f"{detail[-1] if detail else f'exit {result.exit_code}'}")
