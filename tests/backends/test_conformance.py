@@ -205,6 +205,24 @@ def test_copy_in_of_a_deep_tree_keeps_its_shape_and_times(vm: VM, tmp_path: Path
     assert vm.exec("stat -c %Y /work/deep/top").stdout == "1600000000\n"
 
 
+def test_copy_in_of_a_tree_past_one_cloud_transfer_arrives_whole(vm: VM, tmp_path: Path) -> None:
+    """A tree whose archive is over 100 MiB, the most one smol cloud file transfer carries."""
+    src = tmp_path / "src"
+    src.mkdir()
+    block = os.urandom(1 << 20)
+    digest = hashlib.sha256()
+    with open(src / "big", "wb") as f:
+        for i in range(101):
+            piece = i.to_bytes(8, "big") + block[8:]
+            f.write(piece)
+            digest.update(piece)
+    (src / "small").write_text("small\n")
+    vm.copy_in(src, "/work/big-tree")
+    assert vm.exec("sha256sum /work/big-tree/big").stdout.split()[0] == digest.hexdigest()
+    assert vm.read_file("/work/big-tree/small") == b"small\n"
+    assert vm.exec("ls -A /tmp | grep -F .tar || true").stdout == ""  # no staged part left
+
+
 def test_copy_out_keeps_directory_modes(vm: VM, tmp_path: Path) -> None:
     vm.exec("mkdir -p /work/d/private && chmod 750 /work/d/private", check=True)
     out = vm.copy_out("/work/d", tmp_path / "back")

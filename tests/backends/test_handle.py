@@ -126,6 +126,7 @@ def test_default_user_applies_to_exec_and_every_file_operation(make_guest: MakeG
     (src / "f").write_text("f\n")
     vm.copy_in(src, "/home/agent/tree")
     assert vm.exec("stat -c %u /home/agent/tree/f").stdout == f"{AGENT_UID}\n"
+    assert vm.exec("ls -A /tmp | grep -F .tar || true", user="root").stdout == ""  # no staged archive left, as any user
     with pytest.raises(PermissionError):
         vm.copy_in(src, "/etc/tree")
 

@@ -63,6 +63,13 @@ elif [ -f "$p" ]; then exec <"$p" || exit 1; echo "file $(stat -c '%a %s' -- "$p
 elif [ -e "$p" ]; then echo other
 else echo "No such file or directory" >&2; exit 2; fi
 """
+# $3 parts of the archive, files "$2.0" .. "$2.N-1", into directory $1; each part goes once read.
+UNPACK_SCRIPT = r"""
+mkdir -p -- "$1" || exit 1
+i=0
+while [ "$i" -lt "$3" ]; do cat -- "$2.$i" || exit 1; rm -f -- "$2.$i"; i=$((i + 1)); done | tar -xf - -C "$1"
+"""
+UPLOAD_PART = 64 << 20
 LOG_FILES = ("agent-startup-error.log", "agent-console.log", "vmm-exit.json", "workload.log")
 LOG_TAIL_BYTES = 64 << 10
 
@@ -134,21 +141,30 @@ class SmolGuest(ExecPlumbing):
 
     def put_archive(self, guest_dir: str, produce: Callable[[IO[bytes]], None], *,
                     user: str | None = None) -> None:
-        with tempfile.TemporaryFile() as spool:
-            produce(spool)
-            spool.seek(0)
-            data = spool.read()
+        """The host's archive, staged in the guest in parts of UPLOAD_PART (one SDK transfer
+        carries at most 100 MiB on the cloud; the host holds one part at a time), then fed
+        to the guest's tar, as ``user``, each part removed once read."""
         if user is not None:
             user, _home = smol_handle.resolve_user(self._machine, user, self.name)
         staged = f"{SCRATCH}-{uuid.uuid4().hex[:12]}.tar"
-        self._sdk_write(staged, data, 0o600 if user is None else 0o644)  # the user's tar reads it
+        unpacked = False
         try:
-            self._sh('mkdir -p -- "$1" && tar -xf "$2" -C "$1"; rc=$?; rm -f "$2"; exit $rc',
-                     guest_dir, staged, what=f"copy_in to {guest_dir}", user=user)
+            with tempfile.TemporaryFile() as spool:
+                produce(spool)
+                spool.seek(0)
+                parts = 0
+                while part := spool.read(UPLOAD_PART):
+                    self._sdk_write(f"{staged}.{parts}", part, 0o600 if user is None else 0o644)  # user's tar reads it
+                    parts += 1
+            self._sh(UNPACK_SCRIPT, guest_dir, staged, str(parts), what=f"copy_in to {guest_dir}", user=user)
+            unpacked = True
         except GuestError as exc:
-            with contextlib.suppress(GuestError):
-                self._sh('rm -f -- "$1"', staged, what="copy_in cleanup")
             raise smol_handle.classify(self._raw_exec, guest_dir, "write", user) or exc from None
+        finally:
+            if user is not None or not unpacked:
+                # What a user could not remove from root's /tmp, or what a failure left behind.
+                with contextlib.suppress(GuestError):
+                    self._sh('rm -f -- "$1".*', staged, what="copy_in cleanup")
 
     def get_archive(self, guest_path: str, arcname: str, consume: Callable[[IO[bytes]], None], *,
                     user: str | None = None) -> None:
