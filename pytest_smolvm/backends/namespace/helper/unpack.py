@@ -160,20 +160,15 @@ class Unpacker:
             parts = name.split(b"/")
             if b"" in parts or b"." in parts:
                 parts = [part for part in parts if part and part != b"."]
-            if kind in REGULAR_TYPES and len(parts) == len(self.names) + 1 and parts[:-1] == self.names \
-                    and b".." not in parts:
-                # Most members: a file in the directory the last one was in. No call costs here
-                # more than it must (10,000 small files: each microsecond is 10 ms).
-                at = self._fd(len(self.stack) - 1)
-                try:
-                    self._write_file(at, parts[-1], mode, mtime_ns, size)
-                    continue
-                except OSError as exc:
-                    shown = os.path.join(self.dest, os.fsdecode(b"/".join(parts)))
-                    raise OSError(exc.errno, exc.strerror or str(exc), shown) from None
             try:
-                self._member(kind, parts, link or _text(header[157:257]) if kind in LINK_TYPES else b"",
-                             mode, mtime_ns, size, header)
+                if kind in REGULAR_TYPES and len(parts) == len(self.names) + 1 and parts[:-1] == self.names \
+                        and b".." not in parts:
+                    # Most members: a file in the directory the last one was in. No call costs
+                    # here more than it must (10,000 small files: each microsecond is 10 ms).
+                    self._write_file(self._fd(len(self.stack) - 1), parts[-1], mode, mtime_ns, size)
+                else:
+                    self._member(kind, parts, link or _text(header[157:257]) if kind in LINK_TYPES else b"",
+                                 mode, mtime_ns, size, header)
             except OSError as exc:
                 shown = os.path.join(self.dest, os.fsdecode(b"/".join(parts)))
                 raise OSError(exc.errno, exc.strerror or str(exc), shown) from None
