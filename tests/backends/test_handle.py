@@ -129,6 +129,12 @@ def test_default_user_applies_to_exec_and_every_file_operation(make_guest: MakeG
     assert vm.exec("ls -A /tmp | grep -F .tar || true", user="root").stdout == ""  # no staged archive left, as any user
     with pytest.raises(PermissionError):
         vm.copy_in(src, "/etc/tree")
+    # Into a directory that is there, writable, but not the user's: a tree carries its own mode
+    # onto its destination (tar -p), which only the directory's owner may set.
+    with pytest.raises(PermissionError) as not_owner:
+        vm.copy_in(src, "/tmp")
+    assert not_owner.value.filename == "/tmp"
+    assert vm.exec("stat -c %a /tmp").stdout == "1777\n"
 
 
 def test_unknown_default_user_is_a_clear_error(make_guest: MakeGuest) -> None:

@@ -159,7 +159,7 @@ class SmolGuest(ExecPlumbing):
             self._sh(UNPACK_SCRIPT, guest_dir, staged, str(parts), what=f"copy_in to {guest_dir}", user=user)
             unpacked = True
         except GuestError as exc:
-            raise smol_handle.classify(self._raw_exec, guest_dir, "write", user) or exc from None
+            raise smol_handle.classify(self._raw_exec, guest_dir, "into", user) or exc from None
         finally:
             if user is not None or not unpacked:
                 # What a user could not remove from root's /tmp, or what a failure left behind.

@@ -50,6 +50,11 @@ q=$(dirname -- "$p")
 if [ "$op" = dir ]; then
   [ -e "$p" ] || exit 2; [ -d "$p" ] || exit 20; [ -x "$p" ] || exit 13; exit 0
 fi
+if [ "$op" = into ] && [ -e "$p" ]; then  # copy_in's destination: a directory to fill, its mode set
+  [ -d "$p" ] || exit 20; [ -w "$p" ] && [ -x "$p" ] || exit 13
+  u=$(id -u); [ "$u" = 0 ] || [ "$(stat -c %u -- "$p")" = "$u" ] || exit 1; exit 0
+fi
+[ "$op" = into ] && op=write
 if [ ! -e "$p" ]; then
   [ "$op" = write ] || exit 2
   [ -w "$d" ] || exit 13
@@ -238,7 +243,7 @@ def classify(run: Runner, path: str, op: str, user: str | None) -> OSError | Non
     except Exception:  # the guest is gone or broken: the caller's GuestError says so
         return None
     code = int(result.exit_code)
-    if code in (errno.ENOENT, errno.EACCES, errno.ENOTDIR, errno.EISDIR):
+    if code in (errno.EPERM, errno.ENOENT, errno.EACCES, errno.ENOTDIR, errno.EISDIR):
         return OSError(code, os.strerror(code), path)
     return None
 
