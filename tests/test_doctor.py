@@ -103,7 +103,11 @@ def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) ->
         assert "no microVM boots on this host" in output
         assert "what to do" in output or "reason:" in output
         assert "would use namespace" in output
-        if code:  # the engine's own reason reaches the user
+        if "did not finish within" in output:
+            # The doctor gave up before the engine said why (its limit is shorter than the oracle's,
+            # and a loaded host stretches both): the engine's last words must still reach the user.
+            assert "last VMM message:" in output or not message, output
+        elif code:  # the engine's own reason reaches the user
             assert f"[{code}]" in output, output
         if "oom_score_adj" in message:  # a container's root: said in words, with the fix
             assert "may not lower its OOM score (CAP_SYS_RESOURCE is missing)" in output, output
