@@ -63,3 +63,12 @@ def cli(smol_state: Path) -> object:
         return subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", *args], capture_output=True,
                               text=True, timeout=timeout, env=os.environ.copy())
     return run
+
+
+@pytest.fixture(autouse=True)
+def _children_without_hypothesis(request: pytest.FixtureRequest) -> None:
+    # Hypothesis's pytest plugin imports all of hypothesis at every run's terminal summary:
+    # ~0.6-1.2 s of CPU in each pytest a test starts, hundreds of them in this suite, and no test
+    # here is about hypothesis (the fuzz tests use it in this process).
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester").plugins.append("no:hypothesispytest")
