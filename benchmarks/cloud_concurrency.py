@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _rss import PeakRss  # noqa: E402  (benchmarks/ is not a package; a module of its own)
-from concurrency import floor, timed_pytest  # noqa: E402  (the library-API floor, the same as the namespace benchmark's)
+from concurrency import RUN_PLUGINS, floor, timed_pytest  # noqa: E402  (the library-API floor, the same as the namespace benchmark's)
 
 from tests.smolcloud.harness import LoopbackCloud  # noqa: E402
 
@@ -72,8 +72,9 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float, PeakRss, str]:
-    return timed_pytest(directory, env, *SMOL, *args)
+def run_pytest(directory: Path, env: dict[str, str], *args: str,
+               every_plugin: bool = False) -> tuple[float, PeakRss, str]:
+    return timed_pytest(directory, env, *SMOL, *args, every_plugin=every_plugin)
 
 
 def reported(junit: Path) -> dict[str, int]:
@@ -105,7 +106,9 @@ def main() -> None:
         suite = work / "suite"
         suite.mkdir()
         (suite / "test_eps.py").write_text(SUITE.format(episodes=options.episodes, hold=f"{options.hold:g}"))
-        one, _, _ = run_pytest(suite, env, "-k", "ep0")  # also the server's first image lower, outside the timing
+        run_pytest(suite, env, "-k", "ep0")  # the server's first image lower, outside the timing
+        one, _, _ = run_pytest(suite, env, "-k", "ep0")
+        one_every_plugin, _, _ = run_pytest(suite, env, "-k", "ep0", every_plugin=True)
         before = cloud.calls(token)
         assert cloud.proc is not None
         server_cpu, pytest_cpu = cpu_seconds(cloud.proc.pid), children_cpu()
@@ -126,7 +129,9 @@ def main() -> None:
         print(f"{options.episodes} episodes x {options.hold:g}s, --smol-concurrency={options.concurrency} "
               f"-n {options.workers}: wall {wall:.2f}s, ideal {ideal:.2f}s, x{wall / ideal:.2f} of the ideal")
         cores = len(os.sched_getaffinity(0))
-        print(f"a run of one episode (start-up, the run's source machine, one guest, close): {one:.2f}s")
+        print(f"a run of one episode (start-up, the run's source machine, one guest, close): {one:.2f}s; "
+              f"{one_every_plugin:.2f}s with every pytest plugin installed here loaded (the runs above load "
+              f"only {' '.join(RUN_PLUGINS)})")
         print(f"CPU during the run: pytest processes {pytest_cpu:.1f}s, the server (its machines included) "
               f"{server_cpu:.1f}s, of {wall * cores:.0f}s on {cores} cores")
         if floor_wall is not None:
@@ -141,7 +146,8 @@ def main() -> None:
         print(out.strip().splitlines()[-1])
         print(json.dumps({"episodes": options.episodes, "hold_s": options.hold, "concurrency": options.concurrency,
                           "workers": options.workers, "wall_s": round(wall, 2),
-                          "one_episode_run_s": round(one, 2), "ideal_s": round(ideal, 2),
+                          "one_episode_run_s": round(one, 2),
+                          "one_episode_run_every_plugin_s": round(one_every_plugin, 2), "ideal_s": round(ideal, 2),
                           "wall_over_ideal": round(wall / ideal, 2),
                           "floor_s": None if floor_wall is None else round(floor_wall, 2),
                           "wall_over_floor": None if floor_wall is None else round(wall / floor_wall, 2),

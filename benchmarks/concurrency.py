@@ -41,11 +41,20 @@ async def test_episode(smol_vm, smol_episode):
 PEAKS: list[float] = []  # summed peak RSS of each pytest run, MB
 
 
-def timed_pytest(directory: Path, env: dict[str, str], *args: str) -> tuple[float, PeakRss, str]:
-    """A pytest run in ``directory``: its wall time, the peak RSS of its processes, its output."""
+# The plugins these suites need. Whatever else this host has installed (hypothesis, allure, ...)
+# would add its own start-up to every run: ~2 s a run here, none of it this project's.
+RUN_PLUGINS = ("-p", "smolvm", "-p", "xdist")
+
+
+def timed_pytest(directory: Path, env: dict[str, str], *args: str,
+                 every_plugin: bool = False) -> tuple[float, PeakRss, str]:
+    """A pytest run in ``directory``: its wall time, the peak RSS of its processes, its output.
+    With ``every_plugin``, every plugin installed here loads, as in a plain ``pytest``."""
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:anyio",
-                             *args], cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    plugins = ("-p", "no:anyio") if every_plugin else RUN_PLUGINS
+    env = env if every_plugin else {**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, *args],
+                            cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     with PeakRss(proc.pid) as rss:
         out, _ = proc.communicate()
