@@ -96,7 +96,12 @@ def main() -> None:
     in_flight = options.concurrency * max(options.workers, 1)
     ideal = options.episodes * options.hold / in_flight
     work = Path(tempfile.mkdtemp(prefix="smolvm-cloudconc-"))
-    cloud = LoopbackCloud(state_dir=work / "server-state")
+    # The stand's machines are namespace guests kept in its state dir: on a tmpfs, where the
+    # namespace backend keeps its own guests by default, not on this host's disk. The stand
+    # shares the host's cores with pytest here; a real service would not.
+    shm = Path("/dev/shm")
+    server_dir = Path(tempfile.mkdtemp(prefix="smolvm-cloudconc-server-", dir=shm if shm.is_dir() else None))
+    cloud = LoopbackCloud(state_dir=server_dir / "server-state")
     try:
         token = f"bench-{uuid.uuid4().hex[:12]}"
         env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
@@ -159,6 +164,7 @@ def main() -> None:
         if status != 0:
             print(f"smolcloud exited {status}: {err[-2000:]}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(server_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
