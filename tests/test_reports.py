@@ -75,7 +75,8 @@ def test_failed_test_transcript_in_every_sink(pytester: pytest.Pytester, smol_st
 
     # Artifacts: transcript, guest logs, the hook's files, and a note for what could not be copied.
     (test_dir,) = (pytester.path / "art").glob(FAIL_DIR)
-    assert sorted(p.name for p in test_dir.iterdir()) == ["files", "guest-logs.txt", "notes.txt", "transcript.txt"]
+    assert sorted(p.name for p in test_dir.iterdir()) == [".smolvm-guest-files", "files", "guest-logs.txt", "notes.txt",
+                                                          "transcript.txt"]
     transcript = (test_dir / "transcript.txt").read_text()
     assert "transcript-marker-7f3a" in transcript and "=== guest smol-" in transcript
     assert (test_dir / "files" / "workspace" / "out" / "answer.txt").read_text() == "partial answer\n"

@@ -11,20 +11,40 @@ from pathlib import Path
 
 def cache_dir() -> Path:
     """Unpacked baselines and digests: reusable, safe to delete when nothing runs."""
-    explicit = os.environ.get("PYTEST_SMOLVM_CACHE_DIR")
-    if explicit:
-        return _private(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return _private(os.path.join(base, "pytest-smolvm"))
+    return _private(_cache_path())
 
 
 def state_dir() -> Path:
     """The host-wide registry of live guests and their scratch dirs."""
+    return _private(_state_path())
+
+
+def _cache_path() -> str:
+    explicit = os.environ.get("PYTEST_SMOLVM_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pytest-smolvm")
+
+
+def _state_path() -> str:
     explicit = os.environ.get("PYTEST_SMOLVM_STATE_DIR")
     if explicit:
-        return _private(explicit)
+        return explicit
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return _private(os.path.join(base, "pytest-smolvm"))
+    return os.path.join(base, "pytest-smolvm")
+
+
+def guest_tree_homes() -> frozenset[str]:
+    """Every directory of this host where guest-written trees may lie (warm baselines in the
+    cache, guests' scratch in the state and runtime dirs), as absolute paths, both as spelled
+    and resolved. Pure: made nowhere, so a run that asks costs nothing else."""
+    xdg_runtime = os.environ.get("XDG_RUNTIME_DIR")
+    candidates = [_cache_path(), _state_path(), "/run/pytest-smolvm", f"/dev/shm/pytest-smolvm-{os.geteuid()}"]
+    if xdg_runtime and os.path.isabs(xdg_runtime):
+        candidates.append(os.path.join(xdg_runtime, "pytest-smolvm"))
+    spelled = [os.path.abspath(each) for each in candidates]  # as the dirs are made: no ~ expansion
+    return frozenset(spelled + [os.path.realpath(each) for each in spelled])
 
 
 def _private(path: str) -> Path:

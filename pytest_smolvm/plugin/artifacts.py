@@ -36,6 +36,7 @@ import pytest
 from pytest_smolvm import limits
 from pytest_smolvm.inert import inert
 from pytest_smolvm.plugin import xdist
+from pytest_smolvm.plugin.collection import GUEST_FILES_MARK, GUEST_FILES_MARK_TEXT, guest_files_dir_name
 from pytest_smolvm.untrusted import walk
 
 if TYPE_CHECKING:
@@ -257,9 +258,11 @@ def save(item: pytest.Item, guests: list[LiveGuest], *, collect: bool) -> Path |
     _write_text(directory / "transcript.txt", inert("\n".join(transcripts)), notes)  # read with cat, in a terminal
     _write_text(directory / "guest-logs.txt", inert("\n".join(logs)), notes)
     if collect:
+        # Marked before any guest file arrives: no later pytest run collects the copies.
+        (directory / GUEST_FILES_MARK).write_text(GUEST_FILES_MARK_TEXT)
         budget = limits.LIMITS.artifacts_bytes
         for number, live in enumerate(guests, start=1):
-            files = directory / ("files" if number == 1 else f"files-{number}")
+            files = directory / guest_files_dir_name(number)
             for path in _hook_paths(item, live, notes):
                 budget = _copy_out(live, path, files, budget, notes)
     if notes:

@@ -15,13 +15,16 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.host import progress
+from pytest_smolvm.host.paths import guest_tree_homes
 from pytest_smolvm.plugin import hookspecs, xdist
+from pytest_smolvm.plugin.collection import is_guest_tree
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -37,6 +40,7 @@ COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 PROBLEMS_KEY = pytest.StashKey[list[str]]()
 DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
 WORK_KEY = pytest.StashKey[list[str]]()
+GUEST_TREE_HOMES_KEY = pytest.StashKey[frozenset[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -85,6 +89,15 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_smolvm.plugin.html_section import HtmlSection
 
         config.pluginmanager.register(HtmlSection(config), "smolvm-html-section")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    homes = config.stash.get(GUEST_TREE_HOMES_KEY, None)
+    if homes is None:
+        artifacts = config.stash[RUN_KEY].settings.artifacts if RUN_KEY in config.stash else None
+        homes = guest_tree_homes() | ({str(artifacts.absolute()), str(artifacts.resolve())} if artifacts else set())
+        config.stash[GUEST_TREE_HOMES_KEY] = homes
+    return True if is_guest_tree(collection_path, homes) else None  # None: pytest's other rules decide
 
 
 class GuestTestCounter:

@@ -1,0 +1,40 @@
+"""What pytest must never collect: the trees guests wrote, wherever the user keeps them.
+
+A guest's files reach the host in three places: the cache (a warm baseline is the tree a guest
+exported), the state and runtime dirs (a guest's scratch: its upper layer), and the artifacts
+dir (files collected from a failed test's guest). Where a user keeps one inside the project
+(``PYTEST_SMOLVM_CACHE_DIR=smolvm-cache``, ``--smol-artifacts=artifacts`` for CI to upload),
+pytest's collection walks into it, and a ``conftest.py`` or ``test_*.py`` a guest put there
+would be imported by the host's pytest: the guest's code, run as the user.
+
+Collection asks about every path of a project, so the answer costs no system call for almost
+all of them: the homes of guest trees are compared as strings, and only a directory named as the
+artifacts' guest copies are (``files``, ``files-N``) is looked at, for the mark the artifacts
+writer leaves beside them. That mark outlives the run that wrote it: a later run without
+``--smol-artifacts`` still steps around the copies.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Written in a test's artifacts dir before any guest file is copied into it.
+GUEST_FILES_MARK = ".smolvm-guest-files"
+GUEST_FILES_MARK_TEXT = ("The files/ directories beside this file were copied out of guests; "
+                         "pytest-smolvm keeps pytest from collecting them.\n")
+
+
+def guest_files_dir_name(number: int) -> str:
+    """The name of the directory that holds the files collected from a test's ``number``-th guest."""
+    return "files" if number == 1 else f"files-{number}"
+
+
+def is_guest_tree(path: Path, homes: frozenset[str]) -> bool:
+    """Whether ``path`` is a home of guest-written trees, or an artifacts copy of guest files."""
+    if str(path) in homes:
+        return True
+    name = path.name
+    if name == "files" or (name.startswith("files-") and name[6:].isdigit()):
+        return os.path.exists(os.path.join(path.parent, GUEST_FILES_MARK))
+    return False
