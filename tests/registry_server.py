@@ -186,6 +186,7 @@ class ProxyConfig:
     bearer: bool = False  # ask for an anonymous bearer token, as Docker Hub does
     corrupt_blobs: set[str] = field(default_factory=set)  # digests whose bytes get flipped
     delay_per_mb: float = 0.0  # seconds per MiB of blob, to make a pull slow enough to show progress
+    blob_delay: float = 0.0  # seconds before any blob GET is answered (a registry slow to first byte)
     token_user: tuple[str, str] | None = None  # the token service wants this password (or the refresh token)
     refresh_token: str = "refresh-me"
     tokens_issued: int = 0
@@ -234,8 +235,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         blob = "/blobs/" in self.path
         if blob and digest in config.corrupt_blobs and body:
             body = body[:-1] + bytes([body[-1] ^ 0xFF])
-        if blob and config.delay_per_mb:
-            time.sleep(config.delay_per_mb * len(body) / (1 << 20))
+        if blob and (config.delay_per_mb or config.blob_delay):
+            time.sleep(config.blob_delay + config.delay_per_mb * len(body) / (1 << 20))
         keep = {k: v for k, v in headers.items() if k.lower() in ("content-type", "docker-content-digest")}
         if blob and config.blob_statuses:
             self._reply(config.blob_statuses.pop(0), b'{"errors": []}', {"Content-Type": "application/json"})

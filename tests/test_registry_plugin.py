@@ -135,7 +135,9 @@ def test_pull_command_prepulls_for_offline_runs(cli: Any, pytester: pytest.Pytes
 
 
 def test_concurrent_first_pulls_download_each_blob_once(oci_registry: Images, oci_cache: Path) -> None:
-    config = ProxyConfig(oci_registry.host, delay_per_mb=0.1)  # slow enough for the pulls to overlap
+    # Slow enough for the pulls to overlap; every blob slow to answer, the small config too: a
+    # pull that fetches it while another one does (CI met that race) is seen every time.
+    config = ProxyConfig(oci_registry.host, delay_per_mb=0.1, blob_delay=0.5)
     with proxy(config) as host:
         image = f"{host}/acc/layers:1"
         pulls = [subprocess.Popen([sys.executable, "-m", "pytest_smolvm.cli", "pull", image],

@@ -132,19 +132,10 @@ class _Puller:
         if body is None:
             if self.offline:
                 raise self._not_cached(what)
-            if manifest:
-                body, _ = self.client.manifest(digest)
-            else:
-                try:
-                    with self.client.blob(digest) as response:
-                        body = response.read(MAX_CONFIG + 1)
-                except (OSError, HTTPException) as exc:
-                    raise self.error(f"reading {what} {digest[:19]} broke off: {exc!r}") from None
-            try:
-                store.put_bytes(digest, body)
-            except DigestMismatch:
-                raise self.error(f"{what} {digest[:19]} from {self.ref.registry} does not match its digest "
-                                 "(corrupt or tampered); nothing was cached") from None
+            with store.blob_lock(digest):  # concurrent first pulls download it once, like a layer
+                body = store.read_verified(digest, MAX_CONFIG)  # another pull stored it while we waited
+                if body is None:
+                    body = self._download_json(digest, what, manifest=manifest)
         try:
             data = json.loads(body)
         except ValueError:
@@ -152,6 +143,22 @@ class _Puller:
         if not isinstance(data, dict):
             raise self.error(f"{what} {digest[:19]} is not a JSON object")
         return data
+
+    def _download_json(self, digest: str, what: str, *, manifest: bool) -> bytes:
+        if manifest:
+            body, _ = self.client.manifest(digest)
+        else:
+            try:
+                with self.client.blob(digest) as response:
+                    body = response.read(MAX_CONFIG + 1)
+            except (OSError, HTTPException) as exc:
+                raise self.error(f"reading {what} {digest[:19]} broke off: {exc!r}") from None
+        try:
+            store.put_bytes(digest, body)
+        except DigestMismatch:
+            raise self.error(f"{what} {digest[:19]} from {self.ref.registry} does not match its digest "
+                             "(corrupt or tampered); nothing was cached") from None
+        return body
 
     def _check_digest(self, digest: Any, what: str) -> None:
         """Registry data names files in the cache: only a well-formed sha256 digest may do that."""

@@ -78,14 +78,20 @@ def put_bytes(digest: str, data: bytes) -> Path:
     return path
 
 
+def blob_lock(digest: str) -> FileLock:
+    """The lock that makes a blob's download once per host: held while it is fetched and stored."""
+    path = blob_path(digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path.with_name(f"{path.name}.lock")))
+
+
 def fetch(digest: str, size: int | None, open_stream: Callable[[], IO[bytes]],
           on_bytes: Callable[[int], None] = lambda n: None) -> tuple[Path, bool]:
     """The blob, downloaded at most once per host: (its path, whether this call downloaded it)."""
     path = blob_path(digest)
     if path.is_file():
         return path, False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.with_name(f"{path.name}.lock"))):
+    with blob_lock(digest):
         if path.is_file():
             return path, False  # another process pulled it while we waited
         _remove_orphans(path)
