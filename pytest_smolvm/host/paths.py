@@ -8,6 +8,12 @@ import os
 import stat
 from pathlib import Path
 
+ROOT_RUNTIME_DIR = "/run/pytest-smolvm"  # root's runtime dir where /run is a tmpfs
+
+
+def _shm_runtime_dir(euid: int) -> str:
+    return f"/dev/shm/pytest-smolvm-{euid}"
+
 
 def cache_dir() -> Path:
     """Unpacked baselines and digests: reusable, safe to delete when nothing runs."""
@@ -40,7 +46,7 @@ def guest_tree_homes() -> frozenset[str]:
     cache, guests' scratch in the state and runtime dirs), as absolute paths, both as spelled
     and resolved. Pure: made nowhere, so a run that asks costs nothing else."""
     xdg_runtime = os.environ.get("XDG_RUNTIME_DIR")
-    candidates = [_cache_path(), _state_path(), "/run/pytest-smolvm", f"/dev/shm/pytest-smolvm-{os.geteuid()}"]
+    candidates = [_cache_path(), _state_path(), ROOT_RUNTIME_DIR, _shm_runtime_dir(os.geteuid())]
     if xdg_runtime and os.path.isabs(xdg_runtime):
         candidates.append(os.path.join(xdg_runtime, "pytest-smolvm"))
     spelled = [os.path.abspath(each) for each in candidates]  # as the dirs are made: no ~ expansion
@@ -85,9 +91,9 @@ def _runtime_dir(explicit_state: str | None, xdg_runtime: str | None, euid: int,
     if xdg_runtime and os.path.isabs(xdg_runtime) and os.path.isdir(xdg_runtime):
         return Path(xdg_runtime) / "pytest-smolvm"
     if euid == 0 and _is_tmpfs("/run"):
-        return Path("/run/pytest-smolvm")
+        return Path(ROOT_RUNTIME_DIR)
     if _is_tmpfs("/dev/shm"):
-        own = _own_private_dir(f"/dev/shm/pytest-smolvm-{euid}", euid)
+        own = _own_private_dir(_shm_runtime_dir(euid), euid)
         if own is not None:
             return own
     return state
