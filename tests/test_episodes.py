@@ -306,3 +306,38 @@ def test_unwritable_results_path_is_a_usage_error(pytester: pytest.Pytester, smo
     result = pytester.runpytest_subprocess("--smol-results=blocker/r.jsonl")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert re.search(r"--smol-results=\S*blocker/r.jsonl: cannot create it", result.stderr.str())
+
+
+RETAINING_SUITE = """
+import gc, weakref
+import pytest
+
+class Local:
+    pass
+
+REFS = []
+
+@pytest.mark.smol_episodes(4)
+{kind}def test_fails(smol_vm, smol_episode):
+    local = Local()  # stands in for what an episode holds: a model's outputs, a trajectory
+    REFS.append(weakref.ref(local))
+    assert {exec_false}.exit_code == 0
+
+def test_zz_after(smol_vm):
+    gc.collect()
+    alive = sum(ref() is not None for ref in REFS)
+    # pytest keeps the last failure for post-mortem debugging (sys.last_value): one may live
+    assert alive <= 1, f"{{alive}} of {{len(REFS)}} failed episodes' locals outlived their reports"
+"""
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_failed_episodes_locals_do_not_outlive_its_report(pytester: pytest.Pytester, smol_state: Path,
+                                                           kind: str) -> None:
+    # An RL run fails episodes by the thousand: none may keep its frames for the rest of the session.
+    pytester.makepyfile(RETAINING_SUITE.format(
+        kind="async " if kind == "async" else "",
+        exec_false='(await smol_vm.aio.exec("false"))' if kind == "async" else 'smol_vm.exec("false")'))
+    extra = ["--smol-concurrency=4"] if kind == "async" else []
+    result = pytester.runpytest_subprocess("--smol-backend=namespace", "-p", "no:randomly", *extra)
+    result.assert_outcomes(failed=4, passed=1)

@@ -273,6 +273,10 @@ class EpisodesPlugin:
             if line.get("reward") is not None:
                 report.user_properties = [*report.user_properties, (REWARD_PROPERTY, line["reward"])]
             self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
+        if report.when == "teardown":
+            # The phases' exceptions hold their tracebacks, and those the test's frames: kept on
+            # the item (which pytest keeps to the end), every failed episode's locals would too.
+            del item.stash[REPORTS_KEY]
         return report
 
     def result_line(self, item: pytest.Item, reports: Mapping[str, pytest.TestReport]) -> dict[str, Any]:
