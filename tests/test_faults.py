@@ -151,6 +151,19 @@ def test_exec_timeout_kills_guest_work_not_the_test(pytester: pytest.Pytester, s
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
 
 
+def test_a_timed_out_commands_group_is_gone_when_exec_returns(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # A killed process can take a while to die: one that filled 512 MiB was still running (in
+    # its exit) after its shell had been reaped and reported. CI met the same with a sleep.
+    pytester.makepyfile("""
+        def test_slow_to_die(smol_vm):
+            for _ in range(5):
+                r = smol_vm.exec("dd if=/dev/zero of=/dev/null bs=512M count=100000; echo never", timeout=0.5)
+                assert r.timed_out
+                assert "dd" not in smol_vm.exec("ps -o comm").stdout.split()  # the whole group is gone
+    """)
+    pytester.runpytest_subprocess("--smol-backend=namespace").assert_outcomes(passed=1)
+
+
 def test_hostile_guests_do_not_take_the_host_down(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         import pytest

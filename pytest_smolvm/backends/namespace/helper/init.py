@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import socket
+import time
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.kernel import (
@@ -32,6 +33,10 @@ from pytest_smolvm.backends.namespace.helper.requests import (
     _spawn_vpe,
 )
 
+# A killed group's last members are looked for this often, and waited for at most this long.
+DRAIN_POLL_MS = 5
+GROUP_GONE_WAIT = 2.0
+
 
 class Init:
     """pid 1 of one guest: serves requests from the host and reaps every orphan.
@@ -45,6 +50,11 @@ class Init:
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
         self.children: dict[int, int] = {}  # pid -> that request's status fd
+        # A command whose group was killed (a timeout, a cancel) is reported ended only once its
+        # whole group is gone: a killed process can take a while to die (one that freed 512 MiB
+        # was still running after its shell had been reaped), and the next command must not see it.
+        self.killed: set[int] = set()  # leaders of killed groups, not yet reaped
+        self.draining: dict[int, tuple[int, int, float]] = {}  # leader -> (status fd, exit code, deadline)
         self.keep = False
         self.poller = select.poll()
         # A kept guest's shell door: a listening socket the host bound in its private scratch
@@ -66,7 +76,7 @@ class Init:
         poller.register(self.ctl, select.POLLIN)
         poller.register(self.wake_r, select.POLLIN)
         while True:
-            for fd, events in poller.poll():
+            for fd, events in poller.poll(DRAIN_POLL_MS if self.draining else None):
                 if self.door is not None and fd == self.door.fileno():
                     self.open_shell_channel()
                 elif fd in self.shells:
@@ -91,6 +101,8 @@ class Init:
                     else:
                         self.handle_safely(message, fds)
             self.reap()
+            if self.draining:
+                self.report_drained()
 
     def open_shell_channel(self) -> None:
         assert self.door is not None
@@ -139,8 +151,27 @@ class Init:
                 code = os.waitstatus_to_exitcode(status)
                 if code < 0:
                     code = SIGNAL_EXIT_BASE - code
-                _report(status_fd, {"exit": code})
-                os.close(status_fd)
+                if pid in self.killed:
+                    self.killed.discard(pid)
+                    self.draining[pid] = (status_fd, code, time.monotonic() + GROUP_GONE_WAIT)
+                else:
+                    _report(status_fd, {"exit": code})
+                    os.close(status_fd)
+
+    def report_drained(self) -> None:
+        """Report each killed command whose group is gone (or that has waited long enough: a
+        process stuck in the kernel cannot hold its request for ever)."""
+        now = time.monotonic()
+        for leader, (status_fd, code, deadline) in list(self.draining.items()):
+            try:
+                os.killpg(leader, 0)
+                if now < deadline:
+                    continue
+            except ProcessLookupError:
+                pass
+            del self.draining[leader]
+            _report(status_fd, {"exit": code})
+            os.close(status_fd)
 
     def handle_safely(self, message: dict[str, Any], fds: list[int]) -> None:
         """pid 1 must outlive any one malformed request: its death would end the guest."""
@@ -174,6 +205,8 @@ class Init:
                     os.killpg(message["pid"], signal.SIGKILL)
                 except ProcessLookupError:
                     break
+            if message["pid"] in self.children:
+                self.killed.add(message["pid"])
             return
         if op == "keep":
             self.keep = bool(message.get("keep", True))
