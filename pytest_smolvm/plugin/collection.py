@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pytest_smolvm.host import paths
+
 # Written in a test's artifacts dir before any guest file is copied into it.
 GUEST_FILES_MARK = ".smolvm-guest-files"
 GUEST_FILES_MARK_TEXT = ("The files/ directories beside this file were copied out of guests; "
@@ -28,6 +30,12 @@ GUEST_FILES_MARK_TEXT = ("The files/ directories beside this file were copied ou
 def guest_files_dir_name(number: int) -> str:
     """The name of the directory that holds the files collected from a test's ``number``-th guest."""
     return "files" if number == 1 else f"files-{number}"
+
+
+def guest_tree_homes(artifacts: Path | None) -> frozenset[str]:
+    """This host's homes of guest trees (``host.paths``), and this run's artifacts dir if any."""
+    own = {str(artifacts.absolute()), str(artifacts.resolve())} if artifacts is not None else set()
+    return paths.guest_tree_homes() | own
 
 
 def is_guest_tree(path: Path, homes: frozenset[str]) -> bool:

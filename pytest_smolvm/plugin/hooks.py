@@ -22,9 +22,8 @@ import pytest
 
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.host import progress
-from pytest_smolvm.host.paths import guest_tree_homes
 from pytest_smolvm.plugin import hookspecs, xdist
-from pytest_smolvm.plugin.collection import is_guest_tree
+from pytest_smolvm.plugin.collection import guest_tree_homes, is_guest_tree
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -94,9 +93,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     homes = config.stash.get(GUEST_TREE_HOMES_KEY, None)
     if homes is None:
-        artifacts = config.stash[RUN_KEY].settings.artifacts if RUN_KEY in config.stash else None
-        homes = guest_tree_homes() | ({str(artifacts.absolute()), str(artifacts.resolve())} if artifacts else set())
-        config.stash[GUEST_TREE_HOMES_KEY] = homes
+        homes = config.stash[GUEST_TREE_HOMES_KEY] = guest_tree_homes(
+            config.stash[RUN_KEY].settings.artifacts if RUN_KEY in config.stash else None)
     return True if is_guest_tree(collection_path, homes) else None  # None: pytest's other rules decide
 
 
