@@ -79,6 +79,9 @@ Route = tuple[str, re.Pattern[str], Callable[["Handler", dict[str, str]], None]]
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the SDK's pool expects
+    # Each answer goes out as it is written, as any real HTTP service sends it: with Nagle's
+    # algorithm on, a body written after its headers waited out the client's delayed ACK.
+    disable_nagle_algorithm = True
     server: CloudServer
 
     def log_message(self, format: str, *args: Any) -> None:
