@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -130,6 +131,22 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
     assert plain_reason(reason).startswith("the VMM lacks CAP_SYS_RESOURCE")
+
+
+def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
+    # Each check, the verdict and each fix is a block: its first line says what it is, the rest
+    # hang indented under it, and no word is cut at a hyphen ("copy-" / "on-write").
+    reason = ("[SMOLVM_ERROR] Agent error (start machine): agent operation failed: monitor agent: [oom] could not "
+              "set oom_score_adj=-500: Permission denied (os error 13) (boot process exited (code 1) before the "
+              "agent was ready)")
+    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, reason, 15.0))
+    out = io.StringIO()
+    run_doctor(out)
+    lines = out.getvalue().splitlines()
+    starts = re.compile(r"^(pytest-smolvm doctor$|\[ *\w+\] |verdict: |what to do:$|  \d+\. |$)")
+    assert [line for line in lines if not starts.match(line) and not line.startswith(" ")] == [], out.getvalue()
+    assert [line for line in lines if line.endswith("-")] == [], out.getvalue()
+    assert any(line.startswith("verdict: ") for line in lines) and "reason: [SMOLVM_ERROR]" in out.getvalue()
 
 
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ EXIT_NO_BACKEND = 1
 EXIT_NO_MICROVM = 3
 WIDTH = 100
 INDENT = " " * 7
+VERDICT_INDENT = " " * len("verdict: ")
 
 
 @dataclass
@@ -295,14 +296,14 @@ def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
     if result.available:
         out.write("verdict: microVMs boot on this host; --smol-backend=auto uses the smol backend.\n")
         return EXIT_GUESTS_RUN
-    out.write(textwrap.fill("verdict: no microVM boots on this host" + (": " + ", and ".join(causes) if causes
-                                                                         else "") + ".", WIDTH,
-                            subsequent_indent=INDENT) + "\n")
+    verdict = ["no microVM boots on this host" + (": " + ", and ".join(causes) if causes else "") + "."]
     if guests_run:
-        out.write(textwrap.fill("Tests still get a fresh guest each: the namespace backend runs them (Linux "
-                                "namespaces over a copy-on-write copy of the baseline).", WIDTH,
-                                subsequent_indent=INDENT) + "\n")
-    report.say(f"reason: {result.reason}")
+        verdict.append("Tests still get a fresh guest each: the namespace backend runs them (Linux namespaces "
+                       "over a copy-on-write copy of the baseline).")
+    verdict.append(f"reason: {result.reason}")
+    for i, paragraph in enumerate(verdict):  # one block, hanging under "verdict: "
+        out.write(textwrap.fill(paragraph, WIDTH, initial_indent="verdict: " if i == 0 else VERDICT_INDENT,
+                                subsequent_indent=VERDICT_INDENT, break_on_hyphens=False) + "\n")
     if report.fixes:
         out.write("what to do:\n")
         for i, text in enumerate(report.fixes, 1):
