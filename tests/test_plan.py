@@ -27,8 +27,7 @@ def test_nothing_heavy_was_imported():
     assert heavy == []
 
 def test_nor_the_parts_a_guest_test_needs():
-    # pytest compiles each imported module of the plugin afresh where it cannot cache its
-    # rewrite (PYTHONDONTWRITEBYTECODE, a read-only site-packages): these stay unloaded.
+    # Each costs its import (its compile, where bytecode cannot be cached): these stay unloaded.
     unused = [m for m in ("pytest_smolvm.evals.episodes", "pytest_smolvm.plugin.concurrency",
                           "pytest_smolvm.plugin.artifacts", "pytest_smolvm.plugin.premade",
                           "pytest_smolvm.plugin.reporting") if m in sys.modules]
@@ -55,6 +54,33 @@ def test_an_unused_plugin_does_nothing(pytester: pytest.Pytester, monkeypatch: p
     out = result.stdout.str().replace("plugins: smolvm-", "plugins: ")  # pytest's own plugin list
     assert "smolvm" not in out  # no header line, no summary section
     assert _files_under(cache, state, xdg) == []  # no probe cache, no registry, no unpacked baseline
+
+
+def test_pytest_rewrites_the_asserts_of_none_of_the_plugins_modules(pytester: pytest.Pytester,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytest marks the whole package for rewriting where it is installed as a regular package
+    # (CI's install), not where it is editable (a developer's): marked here by hand as pytest
+    # marks it, then loaded as a plugin, and a guest test's parts imported through the hook.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makeconftest("""
+        import pytest
+        pytest.register_assert_rewrite("pytest_smolvm")
+        pytest_plugins = ["pytest_smolvm.plugin.hooks"]
+    """)
+    pytester.makepyfile("""
+        import sys
+        from _pytest.assertion.rewrite import AssertionRewritingHook
+
+        def test_loaders():
+            import pytest_smolvm.session.pool, pytest_smolvm.plugin.concurrency
+            rewritten = sorted(name for name, module in sys.modules.items() if name.startswith("pytest_smolvm")
+                               and isinstance(getattr(module, "__loader__", None), AssertionRewritingHook))
+            # At most the package's own __init__ (which unmarks the rest; an editable install's
+            # comes by another finder) and the module named in pytest_plugins, marked by name.
+            assert set(rewritten) <= {"pytest_smolvm", "pytest_smolvm.plugin.hooks"}, rewritten
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
 
 
 def test_the_plan_is_made_when_the_first_guest_is_asked_for(pytester: pytest.Pytester, smol_state: Path,

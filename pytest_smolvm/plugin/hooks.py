@@ -3,9 +3,8 @@
 Nothing here does work at startup: ``pytest_configure`` reads options and registers hooks.
 The run's plan is made, and this process's guest pool started, when a test first asks for a
 guest (see ``run.py``). A project without guest tests pays for option parsing and nothing else:
-pytest compiles every module of an entry-point plugin afresh through its assertion rewriter
-wherever it cannot cache (``PYTHONDONTWRITEBYTECODE``, a read-only site-packages), so the
-episodes, artifacts and concurrency parts are imported, and registered, only when first due.
+the episodes, artifacts and concurrency parts are imported, and registered, only when first
+due (and no module of the package goes through pytest's assertion rewriter: see ``__init__``).
 """
 
 from __future__ import annotations
