@@ -46,6 +46,9 @@ def assert_one_line_setup_error(result: pytest.RunResult, *needles: str) -> None
     (["--smol-output-limit=lots"], ["--smol-output-limit=lots", "byte count"]),
     (["--smol-output-limit=0"], ["--smol-output-limit=0", "positive"]),
     (["--smol-user=a:b"], ["--smol-user", "user name or uid"]),
+    # empty values, as an unset shell variable gives them: an error, never a silent default
+    (["--smol-baseline="], ["--smol-baseline", "empty value"]),
+    (["--smol-output-limit="], ["--smol-output-limit=", "byte count"]),
 ])
 def test_bad_option_is_one_line_usage_error(pytester: pytest.Pytester, smol_state: Path,
                                             args: list[str], needles: list[str]) -> None:
@@ -112,6 +115,7 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("user=True", "user"),
     ("output_limit=-5", "output_limit"),
     ("output_limit='many'", "output_limit"),
+    ("output_limit=''", "output_limit"),
 ])
 def test_bad_marker_is_a_one_line_setup_error(pytester: pytest.Pytester, smol_state: Path,
                                               marker: str, needle: str) -> None:

@@ -89,8 +89,11 @@ def _as_path(reference: str, rootdir: Path) -> Path:
 
 def check_reference(reference: str | None, rootdir: Path, *, option: str = "--smol-baseline") -> None:
     """What :func:`resolve` would refuse, found without reading any file: a startup check."""
-    if not reference:
+    if reference is None:
         return
+    if not reference.strip():  # an unset shell variable, most likely: the default would hide it
+        raise UsageError(f"{option}: expected a rootfs dir, an archive or an image name, got an empty value "
+                         "(leave it out for the bundled Alpine)")
     path = _as_path(reference, rootdir)
     if path.exists():
         if not path.is_dir() and not path.name.endswith((*TAR_SUFFIXES, ".smolmachine")):

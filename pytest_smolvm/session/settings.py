@@ -225,7 +225,7 @@ def byte_size(name: str, value: Any) -> int:
         number = value
     elif isinstance(value, str):
         text = value.strip().lower().removesuffix("b").removesuffix("i")
-        digits, suffix = (text[:-1], text[-1]) if text[-1:] in SIZE_SUFFIXES else (text, "")
+        digits, suffix = (text[:-1], text[-1]) if text and text[-1] in SIZE_SUFFIXES else (text, "")
         if not digits.isdigit():
             raise UsageError(f"{name}={value}: expected a byte count like 1048576, 64k or 16m")
         number = int(digits) * SIZE_SUFFIXES[suffix]
