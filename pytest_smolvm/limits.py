@@ -15,6 +15,7 @@ beside the code that parses them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -85,3 +86,18 @@ def guest_timeout(label: str, value: object, error: type[Exception] = ValueError
         raise error(f"{label}={value!r}: longer than the longest supported timeout ({LIMITS.max_timeout:.0f} s, "
                     f"about 24.8 days); use None for no limit")
     return float(value)
+
+
+def guest_env(label: str, value: object, error: type[Exception] = ValueError) -> dict[str, str]:
+    """Environment variables for the guest as ``label`` was given them: names and values that
+    ``execve`` can carry (a name non-empty, without ``=``; neither with a NUL byte). Anything
+    else raises ``error`` with one line naming ``label``, before the guest is asked."""
+    if not isinstance(value, Mapping):
+        raise error(f"{label}={value!r}: expected a dict of str to str")
+    for name, text in value.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise error(f"{label}: expected a dict of str to str, got {name!r}: {text!r}")
+        if not name or "=" in name or "\0" in name or "\0" in text:
+            raise error(f"{label}: {name!r} cannot be an environment variable (a name is non-empty, "
+                        "without '=', and neither it nor its value may hold a NUL byte)")
+    return dict(value)

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING
 
 from pytest_smolvm import limits
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.limits import guest_timeout
+from pytest_smolvm.limits import guest_env, guest_timeout
 from pytest_smolvm.untrusted import confined, rules
 from pytest_smolvm.untrusted.walk import rmtree
 
@@ -91,11 +91,15 @@ class GuestHandle:
         """:meth:`exec`, plus a :class:`Cancel` that kills the command (the async twin's)."""
         if isinstance(cmd, str):
             argv, shown = ["/bin/sh", "-c", cmd], cmd
-        else:
+        elif isinstance(cmd, Sequence) and all(isinstance(a, (str, os.PathLike)) for a in cmd):
             argv = [os.fspath(a) for a in cmd]
             if not argv:
                 raise ValueError("exec: cmd is an empty list")
             shown = " ".join(argv)
+        else:
+            raise TypeError(f"exec: cmd must be a string (run by /bin/sh -c) or a list of strings (an argv), "
+                            f"got {cmd!r}")
+        environment = guest_env("exec: env", env) if env is not None else {}
         limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
         if limit is not None:  # checked before the command starts: nothing runs on a bad timeout
             limit = guest_timeout("exec: timeout", limit)
@@ -104,7 +108,7 @@ class GuestHandle:
         started = time.monotonic()
         try:
             raw = self._guest.exec(
-                argv, env=dict(env or {}), workdir=self._guest_path(workdir, "exec") if workdir else None,
+                argv, env=environment, workdir=self._guest_path(workdir, "exec") if workdir else None,
                 stdin=data, timeout=limit, output_limit=self.output_limit,
                 user=None if run_as is None else str(run_as), on_output=on_output, cancel=cancel)
         except Exception as exc:

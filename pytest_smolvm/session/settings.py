@@ -15,7 +15,7 @@ import pytest
 
 from pytest_smolvm import limits
 from pytest_smolvm.errors import MarkerError, UsageError
-from pytest_smolvm.limits import guest_timeout
+from pytest_smolvm.limits import guest_env, guest_timeout
 
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
@@ -313,10 +313,7 @@ class MarkerSpec:
                                      f"(choose from {', '.join(RELAX_CHOICES)})")
                 changes[key] = tuple(value)
             elif key == "env":
-                if not isinstance(value, Mapping) or not all(
-                        isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-                    raise UsageError(f"{where}(env={value!r}): expected a dict of str to str")
-                changes[key] = {**self.env, **value}
+                changes[key] = {**self.env, **guest_env(f"{where}(env)", value, UsageError)}
         return changes
 
 

@@ -177,6 +177,19 @@ def test_argv_exec_of_a_missing_or_unrunnable_program_raises_like_subprocess(vm:
     assert vm.exec("/etc/hostname").exit_code == 126
 
 
+def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM) -> None:
+    # Each used to reach the guest: a TypeError from iterating None, a GuestError "bad request"
+    # for a non-string value, and a name with "=" quietly set another variable.
+    for cmd in (None, 42, [1, 2], b"true"):
+        with pytest.raises(TypeError, match=r"^exec: cmd must be a string .* or a list of strings"):
+            vm.exec(cmd)  # type: ignore[arg-type]
+    for env in ({"A": 1}, {1: "a"}, {"A=B": "x"}, {"": "x"}, {"A": "x\0y"}, ["A=1"]):
+        with pytest.raises(ValueError, match=r"^exec: env"):
+            vm.exec("true", env=env)  # type: ignore[arg-type]
+    asked = len(vm.transcript)
+    assert vm.exec("echo $A", env={"A": "1"}).stdout == "1\n" and len(vm.transcript) == asked + 1
+
+
 # --------------------------------------------------------------------------- caps and paths
 
 
