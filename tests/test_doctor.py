@@ -118,35 +118,36 @@ def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) ->
         assert ("--cap-add=SYS_RESOURCE" in output) == confined_root, output
 
 
-def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
-    # The engine's exact words where root lacks CAP_SYS_RESOURCE (here, and a lent GPU machine, 2026-12-04).
-    reason = ("[SMOLVM_ERROR] Agent error (start machine): agent operation failed: monitor agent: [oom] could not "
-              "set oom_score_adj=-500: Permission denied (os error 13) (boot process exited (code 1) before the "
-              "agent was ready)")
-    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, reason, 15.0))
+# The engine's exact words where root lacks CAP_SYS_RESOURCE (here, and a lent GPU machine, 2026-12-04).
+OOM_SCORE_REFUSED = ("[SMOLVM_ERROR] Agent error (start machine): agent operation failed: monitor agent: [oom] could "
+                     "not set oom_score_adj=-500: Permission denied (os error 13) (boot process exited (code 1) "
+                     "before the agent was ready)")
+
+
+def _doctor_where_the_engine_refused_an_oom_score(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, OOM_SCORE_REFUSED, 15.0))
     out = io.StringIO()
     run_doctor(out)
-    text = " ".join(out.getvalue().split())
+    return out.getvalue()
+
+
+def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
+    text = " ".join(_doctor_where_the_engine_refused_an_oom_score(monkeypatch).split())
     assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
-    assert plain_reason(reason).startswith("the VMM lacks CAP_SYS_RESOURCE")
+    assert plain_reason(OOM_SCORE_REFUSED).startswith("the VMM lacks CAP_SYS_RESOURCE")
 
 
 def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
     # Each check, the verdict and each fix is a block: its first line says what it is, the rest
     # hang indented under it, and no word is cut at a hyphen ("copy-" / "on-write").
-    reason = ("[SMOLVM_ERROR] Agent error (start machine): agent operation failed: monitor agent: [oom] could not "
-              "set oom_score_adj=-500: Permission denied (os error 13) (boot process exited (code 1) before the "
-              "agent was ready)")
-    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, reason, 15.0))
-    out = io.StringIO()
-    run_doctor(out)
-    lines = out.getvalue().splitlines()
+    output = _doctor_where_the_engine_refused_an_oom_score(monkeypatch)
+    lines = output.splitlines()
     starts = re.compile(r"^(pytest-smolvm doctor$|\[ *\w+\] |verdict: |what to do:$|  \d+\. |$)")
-    assert [line for line in lines if not starts.match(line) and not line.startswith(" ")] == [], out.getvalue()
-    assert [line for line in lines if line.endswith("-")] == [], out.getvalue()
-    assert any(line.startswith("verdict: ") for line in lines) and "reason: [SMOLVM_ERROR]" in out.getvalue()
+    assert [line for line in lines if not starts.match(line) and not line.startswith(" ")] == [], output
+    assert [line for line in lines if line.endswith("-")] == [], output
+    assert any(line.startswith("verdict: ") for line in lines) and "reason: [SMOLVM_ERROR]" in output
 
 
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:
