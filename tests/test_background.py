@@ -324,3 +324,56 @@ def test_aio_calls_reuse_kept_threads_and_grow_only_while_all_are_busy() -> None
     assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "test-kept"])  # idle ones end
     kept.submit(lambda: passed.append(True))  # and a later call starts a thread again
     assert _wait_until(lambda: len(passed) == 6)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(CORES < 2, reason="a guest is made ahead only where the host has more than one core")
+def test_a_guest_made_ahead_and_killed_is_not_handed_out_while_it_dies(smol_state: Path) -> None:
+    # A killed init can be there for a while, its SIGKILL pending (on a busy CI host, it was:
+    # the next test got a guest that was gone by its first call). The cgroup v1 freezer holds
+    # a killed process in that state for as long as the test needs: sacrificial, its own cgroup.
+    if os.geteuid() != 0 or not (FREEZER / "cgroup.procs").is_file():
+        pytest.skip("needs root and the cgroup v1 freezer, to hold a killed init before it dies")
+    import signal
+    import uuid
+
+    from pytest_smolvm.host import procs, registry
+    from pytest_smolvm.session.plan import Planner
+    from pytest_smolvm.session.pool import GuestPool
+    from pytest_smolvm.session.settings import MarkerSpec, Settings
+
+    planner = Planner(Settings(backend="namespace"), "r" * 32, "main")
+    pool = GuestPool(Settings(backend="namespace"), planner, run_id="r" * 32, worker="main")
+    held = FREEZER / f"smolvm-test-dying-{uuid.uuid4().hex[:8]}"
+    held.mkdir()
+    try:
+        first = pool.create("test_a", MarkerSpec())
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            ahead = {r.name: r.data.get("pid") for r in registry.records() if r.test_id == READY_TEST_ID}
+            if len(ahead) == pool._ahead.depth and all(isinstance(pid, int) for pid in ahead.values()):
+                break  # made, not just planned: a planned guest's record has no pid yet
+            time.sleep(0.02)
+        assert ahead, "no guest was made ahead"
+        for pid in ahead.values():
+            (held / "cgroup.procs").write_text(str(pid))
+        (held / "freezer.state").write_text("FROZEN")
+        while (held / "freezer.state").read_text().strip() != "FROZEN":
+            time.sleep(0.01)
+        for pid in ahead.values():
+            os.kill(pid, signal.SIGKILL)  # pending until thawed
+        assert all(procs.process_start_time(pid) is not None for pid in ahead.values())
+        second = pool.create("test_b", MarkerSpec())
+        (held / "freezer.state").write_text("THAWED")  # the killed ones die now, and are destroyed
+        assert second.vm.name not in ahead, "a killed guest was handed to the next test"
+        assert second.vm.exec("echo fine").stdout == "fine\n"
+        pool.destroy(first)
+        pool.destroy(second)
+    finally:
+        (held / "freezer.state").write_text("THAWED")
+        for pid in [int(p) for p in (held / "cgroup.procs").read_text().split()]:
+            procs.wait_gone(pid, 10)
+        held.rmdir()
+        assert pool.close() == [] and planner.close() == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import select
+import signal
 import subprocess
 import time
 
@@ -49,6 +50,32 @@ def _ps_start_time(pid: int) -> int | None:
 
 def is_alive(pid: int, start_time: int | None) -> bool:
     return start_time is not None and process_start_time(pid) == start_time
+
+
+SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # SIGKILL's bit in /proc/PID/status's pending masks
+PF_EXITING = 0x4  # the kernel's task flag, in /proc/PID/stat's ninth field
+
+
+def is_dying(pid: int) -> bool:
+    """Whether ``pid`` was killed and will not run again, though it may not be gone yet: a
+    SIGKILL pending (a busy or frozen process acts on it later), or its exit under way (a
+    namespace's pid 1 exits only once every process of its namespace has). Linux only: False
+    where there is no /proc, and for a pid already gone (ask :func:`is_alive` that)."""
+    if not HAVE_PROC:
+        return False
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    flags = int(stat[stat.rfind(b")") + 2:].split()[6])
+    return bool(pending & SIGKILL_PENDING or flags & PF_EXITING)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -373,8 +373,11 @@ class GuestPool:
 
 
 def _still_running(guest: Guest) -> bool:
-    """Whether a guest made ahead still has its init (one without a host pid, a cloud machine,
-    is taken as running: the test's first call would say otherwise)."""
+    """Whether a guest made ahead still has its init, and nothing has killed it (one without a
+    host pid, a cloud machine, is taken as running: the test's first call would say otherwise).
+    An init killed a moment ago can still be there, its SIGKILL pending on a busy host."""
     data = guest.registry_data()
     pid, start = data.get("pid"), data.get("pid_start")
-    return not isinstance(pid, int) or procs.is_alive(pid, start if isinstance(start, int) else None)
+    if not isinstance(pid, int):
+        return True
+    return procs.is_alive(pid, start if isinstance(start, int) else None) and not procs.is_dying(pid)
