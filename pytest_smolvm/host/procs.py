@@ -21,16 +21,21 @@ def process_start_time(pid: int) -> int | None:
     """
     if not HAVE_PROC:
         return _ps_start_time(pid)
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == b"Z":
+        return None  # a zombie has already released everything we care about
+    return int(fields[19])
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields from the third (the state) on, or None if ``pid`` is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return None
     # comm (field 2) may contain spaces and parentheses: split after its closing paren.
-    fields = raw[raw.rfind(b")") + 2:].split()
-    if fields[0] == b"Z":
-        return None  # a zombie has already released everything we care about
-    return int(fields[19])
+    return raw[raw.rfind(b")") + 2:].split()
 
 
 def _ps_start_time(pid: int) -> int | None:
@@ -63,19 +68,21 @@ def is_dying(pid: int) -> bool:
     where there is no /proc, and for a pid already gone (ask :func:`is_alive` that)."""
     if not HAVE_PROC:
         return False
+    fields = _stat_fields(pid)
+    if fields is None:
+        return False
+    if int(fields[6]) & PF_EXITING:
+        return True
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             status = f.read()
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
     except OSError:
         return False
     pending = 0
     for line in status.splitlines():
         if line.startswith((b"SigPnd:", b"ShdPnd:")):
             pending |= int(line.split()[1], 16)
-    flags = int(stat[stat.rfind(b")") + 2:].split()[6])
-    return bool(pending & SIGKILL_PENDING or flags & PF_EXITING)
+    return bool(pending & SIGKILL_PENDING)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
