@@ -241,6 +241,27 @@ def test_branches_are_copy_on_write_snapshots_of_the_source_now(cloud: LoopbackC
         source.delete()
 
 
+def test_a_branch_of_an_untouched_machine_copies_no_root(cloud: LoopbackCloud) -> None:
+    # Nothing has run in a freshly started source: its root is the image it booted from, which
+    # its children can boot from as well. Copying it out took the stand 0.7 s per source, a
+    # cost the service's copy-on-write snapshot does not have.
+    source = make(cloud, branchable=True)
+    children: list[Machine] = []
+    try:
+        children.append(source.branch("untouched-1"))
+        assert "root copied" not in source.logs(200)
+        made = children[0].exec(["sh", "-c", "cat /etc/alpine-release && echo mine > /root/f && cat /root/f"])
+        assert made.exit_code == 0 and made.stdout.endswith("mine\n"), made
+        source.exec(["sh", "-c", "echo touched > /root/state"])
+        children.append(source.branch("touched-1"))
+        assert "root copied as a snapshot (generation 1)" in source.logs(200)
+        assert children[-1].read_file("/root/state") == b"touched\n"
+    finally:
+        for child in children:
+            child.delete()
+        source.delete()
+
+
 def test_frozen_source_branches_but_runs_nothing(cloud: LoopbackCloud) -> None:
     source = make(cloud, branchable=True)
     try:
