@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -91,7 +92,7 @@ def _pull(args: argparse.Namespace) -> int:
         pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
         rootfs = cache.unpack(pinned, by="pytest-smolvm pull")
     except UsageError as exc:
-        print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {args.image}"),
+        print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {shlex.quote(args.image)}"),
               file=sys.stderr)
         return 2
     print(f"{args.image}: {pinned.digest}")
@@ -174,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     results.set_defaults(run=_results)
     shell = sub.add_parser("shell", help="open a shell in a kept guest")
     shell.add_argument("name")
-    shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")
+    command = shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")
+    command.required = False  # argparse marks a REMAINDER positional required: its usage error named it
     shell.set_defaults(run=_shell)
     return parser
 

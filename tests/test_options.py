@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -225,3 +226,13 @@ def test_smol_backend_where_no_microvm_boots_is_one_error_with_the_probes_reason
     assert_one_line_setup_error(result, "--smol-backend=smol: no microVM boots on this host",
                                 verdict.reason[:60], "pytest-smolvm doctor")
     assert time.monotonic() - started < 60
+
+
+def test_the_commands_usage_errors_name_what_is_missing_or_wrong(cli: Any) -> None:
+    shell = cli("shell")  # the command to run in the guest is optional: only the name is missing
+    assert shell.returncode == 2
+    assert shell.stderr.splitlines()[-1] == "pytest-smolvm shell: error: the following arguments are required: name"
+    pull = cli("pull", "")  # an empty reference reads as one, quoted as a shell would take it
+    assert pull.returncode == 2
+    assert pull.stderr.splitlines() == ["pytest-smolvm pull '': not an image reference (names are lowercase "
+                                        "letters, digits and . _ - separated by /)"]
