@@ -95,6 +95,64 @@ def test_concurrency_multiplies_with_workers(pytester: pytest.Pytester, smol_sta
     assert len(lines) == 10 and len({line["worker"] for line in lines}) == 2
 
 
+ACROSS_WORKERS = """
+    import asyncio, os, time
+    import pytest
+
+    ARRIVALS = {arrivals!r}
+
+    @pytest.fixture(autouse=True)
+    def second_worker_is_slow(worker_id):
+        if worker_id == "gw1":
+            time.sleep(1.5)  # so the first worker reports its tests in flight sooner, and asks for more
+
+    @pytest.mark.smol_episodes(8)
+    async def test_episode(smol_vm, smol_episode):
+        open(os.path.join(ARRIVALS, f"ep{{smol_episode.index}}"), "w").close()
+        for _ in range(300):
+            if len(os.listdir(ARRIVALS)) >= 8:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"only {{sorted(os.listdir(ARRIVALS))}} of 8 were in flight at once")
+        assert (await smol_vm.aio.exec("echo ok")).stdout == "ok\\n"
+"""
+
+
+def test_a_run_that_fits_every_workers_slots_starts_every_test_at_once(pytester: pytest.Pytester,
+                                                                        smol_state: Path) -> None:
+    # xdist's load scheduling, unaware of slots, handed the quicker worker more than its 4: its
+    # extra tests waited for one of its slots while the other worker had slots to spare.
+    arrivals = pytester.mkdir("arrivals")
+    pytester.makepyfile(test_eps=ACROSS_WORKERS.format(arrivals=str(arrivals)))
+    results = pytester.path / "results.jsonl"
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-concurrency=4", "-p", "no:anyio",
+                                           f"--smol-results={results}")
+    result.assert_outcomes(passed=8)
+    workers = [json.loads(raw)["worker"] for raw in results.read_text().splitlines()]
+    assert sorted(workers) == ["gw0"] * 4 + ["gw1"] * 4
+
+
+def test_a_chosen_dist_keeps_xdists_scheduling(pytester: pytest.Pytester, smol_state: Path) -> None:
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_xdist_make_scheduler(config, log):
+            scheduler = yield
+            print("SCHEDULER", type(scheduler).__name__)
+            return scheduler
+    """)
+    pytester.makepyfile(test_x="async def test_x(smol_vm):\n    pass\n")
+    for args, expected in [(["-n", "2", "--smol-concurrency=4"], "SlotAwareLoadScheduling"),
+                           (["-n", "2", "--smol-concurrency=4", "--dist", "load"], "LoadScheduling"),
+                           (["-n", "2", "--smol-concurrency=4", "-d"], "LoadScheduling"),
+                           (["-n", "2"], "LoadScheduling")]:
+        result = pytester.runpytest_subprocess(*args, "-s", "-p", "no:anyio")
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines([f"SCHEDULER {expected}"])
+
+
 MIXED = BARRIER + """
     import pytest
 

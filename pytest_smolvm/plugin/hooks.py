@@ -75,6 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
         glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
         glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
         glue.on_worker_down(lambda crashed: _after_worker(run, crashed))
+        glue.worker_slots = settings.concurrency
         config.pluginmanager.register(_FirstTest(config, run), "smolvm-first-test")
         config.stash[PROBLEMS_KEY] = glue.problems
         config.stash[WORK_KEY] = glue.work

@@ -54,6 +54,7 @@ class Controller:
     """The controller's side: inputs for every worker it starts, outputs from every one that ends."""
 
     def __init__(self) -> None:
+        self.worker_slots = 1  # --smol-concurrency: tests each worker keeps in flight
         self._inputs: dict[str, Callable[[], str | None]] = {}
         self.problems: list[str] = []
         self.work: list[str] = []
@@ -67,6 +68,13 @@ class Controller:
     def on_worker_down(self, callback: Callable[[bool], None]) -> None:
         """Call ``callback(crashed)`` whenever a worker ends."""
         self._on_node_down.append(callback)
+
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        if self.worker_slots <= 1:
+            return None  # xdist's own, without importing its schedulers here
+        from pytest_smolvm.plugin.scheduling import make_scheduler
+
+        return make_scheduler(config, log, self.worker_slots)
 
     def pytest_configure_node(self, node: Any) -> None:
         for key, value in self._inputs.items():
