@@ -10,9 +10,11 @@ test's length, while the other worker had slots to spare.
 
 Such a run is split evenly up front instead: each worker gets its share in collection order (as
 xdist's chunks keep it, for fixtures' sake) and is told at once that no more will come, so every
-test starts in the first wave. A run larger than the slots keeps xdist's load scheduling: its
-tests wait for slots anyway, and slots free all the time. So does a run whose user chose
-``--dist``. Only this module imports xdist's scheduler, and only once xdist asks for one.
+test starts in the first wave. The controller sees only test ids, not which tests can run
+concurrently: synchronous tests in such a run are split evenly too, without xdist's rebalancing
+as they finish. A run larger than the slots keeps xdist's load scheduling (its tests wait for
+slots anyway, and slots free all the time), and so does a run whose user chose ``--dist``. Only
+this module imports xdist's scheduler, and only once xdist asks for one.
 """
 
 from __future__ import annotations
