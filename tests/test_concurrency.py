@@ -153,6 +153,36 @@ def test_a_chosen_dist_keeps_xdists_scheduling(pytester: pytest.Pytester, smol_s
         result.stdout.fnmatch_lines([f"SCHEDULER {expected}"])
 
 
+CRASHING_WORKER = BARRIER + """
+    import os
+    import pytest
+
+    @pytest.mark.smol_episodes(6)
+    async def test_episode(smol_vm, smol_episode, worker_id):
+        await together(smol_episode.index, 3)  # this worker's three, all in flight
+        if worker_id == "gw0" and smol_episode.index == min(ARRIVED):
+            os._exit(3)  # the worker dies under all three
+        await asyncio.sleep(1)
+        assert (await smol_vm.aio.exec("echo ok")).stdout == "ok\\n"
+"""
+
+
+def test_every_test_in_flight_on_a_crashed_worker_is_reported(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # xdist sees a test as done once its worker has started it, so it reported one of the
+    # crashed worker's three tests in flight; the other two had no report, line or JUnit entry.
+    pytester.makepyfile(test_eps=CRASHING_WORKER)
+    junit, results = pytester.path / "junit.xml", pytester.path / "results.jsonl"
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-concurrency=3", "-p", "no:anyio",
+                                           f"--junitxml={junit}", f"--smol-results={results}")
+    result.assert_outcomes(passed=3, failed=3)
+    result.stdout.fnmatch_lines(["*worker 'gw0' crashed while*"])
+    cases = _junit_cases(junit)
+    assert len(cases) == 6 and sorted(cases.values()) == ["error"] * 3 + ["passed"] * 3, cases
+    lines = [json.loads(raw) for raw in results.read_text().splitlines()]
+    assert sorted(line["episode"] for line in lines) == list(range(6))
+    assert sorted(line["outcome"] for line in lines) == ["error"] * 3 + ["passed"] * 3
+
+
 MIXED = BARRIER + """
     import pytest
 

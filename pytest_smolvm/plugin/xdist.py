@@ -53,8 +53,11 @@ def report_to_controller(config: pytest.Config, problems: list[str], work: list[
 class Controller:
     """The controller's side: inputs for every worker it starts, outputs from every one that ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
         self.worker_slots = 1  # --smol-concurrency: tests each worker keeps in flight
+        # Per worker, under --smol-concurrency: tests set up and not yet torn down (id -> location).
+        self._in_flight: dict[str, dict[str, tuple[str, int | None, str]]] = {}
         self._inputs: dict[str, Callable[[], str | None]] = {}
         self.problems: list[str] = []
         self.work: list[str] = []
@@ -82,7 +85,38 @@ class Controller:
             if given is not None:
                 node.workerinput[key] = given
 
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        worker = _worker_id(getattr(report, "node", None))
+        if self.worker_slots <= 1 or worker is None:
+            return
+        if report.when == "setup":
+            self._in_flight.setdefault(worker, {})[report.nodeid] = report.location
+        elif report.when == "teardown":
+            self._in_flight.get(worker, {}).pop(report.nodeid, None)
+
+    def _report_lost_in_flight(self, node: Any) -> None:
+        """A crashed worker's tests in flight, as xdist reports the one it knows it was running.
+
+        xdist sees a test as done once the worker has started it, so of a crashed worker's tests
+        in flight it reports only the one it had not yet seen start; the others had no report at
+        all (no terminal line, no JUnit entry, no results line)."""
+        lost = self._in_flight.pop(_worker_id(node) or "", {})
+        scheduler = getattr(self.config.pluginmanager.get_plugin("dsession"), "sched", None)
+        pending = getattr(scheduler, "node2pending", {}).get(node, [])
+        collection = getattr(scheduler, "collection", None) or []
+        xdist_reports = {collection[index] for index in pending if index < len(collection)}
+        for nodeid, location in lost.items():
+            if nodeid in xdist_reports:
+                continue  # xdist's own crash report names it
+            report = pytest.TestReport(nodeid, location, {}, "failed",
+                                       f"worker {_worker_id(node)!r} crashed while {nodeid!r} was in flight",
+                                       "???")  # type: ignore[arg-type]  # xdist's phase for a crash
+            report.node = node  # type: ignore[attr-defined]  # as xdist labels the reports it relays
+            self.config.hook.pytest_runtest_logreport(report=report)
+
     def pytest_testnodedown(self, node: Any, error: object) -> None:
+        if error:
+            self._report_lost_in_flight(node)
         output = getattr(node, "workeroutput", {})
         self.problems.extend(output.get(PROBLEMS, []))
         self.work.extend(output.get(WORK, []))
@@ -97,7 +131,13 @@ def controller(config: pytest.Config) -> Controller | None:
         return None
     found = config.pluginmanager.get_plugin(CONTROLLER_NAME)
     if found is None:
-        found = Controller()
+        found = Controller(config)
         config.pluginmanager.register(found, CONTROLLER_NAME)
     assert isinstance(found, Controller)
     return found
+
+
+def _worker_id(node: Any) -> str | None:
+    """xdist's id of a worker ("gw0") from its WorkerController, as reports carry it."""
+    found = getattr(getattr(node, "gateway", None), "id", None)
+    return found if isinstance(found, str) else None
