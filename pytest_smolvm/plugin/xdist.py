@@ -56,7 +56,8 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.worker_slots = 1  # --smol-concurrency: tests each worker keeps in flight
-        # Per worker, under --smol-concurrency: tests set up and not yet torn down (id -> location).
+        # Per worker: tests set up and not yet torn down (id -> location); more than one only
+        # under --smol-concurrency or a smol_episodes(concurrency=) marker.
         self._in_flight: dict[str, dict[str, tuple[str, int | None, str]]] = {}
         self._inputs: dict[str, Callable[[], str | None]] = {}
         self.problems: list[str] = []
@@ -87,7 +88,7 @@ class Controller:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         worker = _worker_id(getattr(report, "node", None))
-        if self.worker_slots <= 1 or worker is None:
+        if worker is None:
             return
         if report.when == "setup":
             self._in_flight.setdefault(worker, {})[report.nodeid] = report.location
