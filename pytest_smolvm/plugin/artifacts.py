@@ -81,6 +81,11 @@ def _state(item: pytest.Item) -> _ItemState:
     return item.stash.setdefault(STATE_KEY, _ItemState())
 
 
+def failed_so_far(item: pytest.Item) -> bool:
+    """Whether the test's setup or call failed (its reports so far)."""
+    return item.stash.get(STATE_KEY, _ItemState()).failed
+
+
 def finished_guests(item: pytest.Item) -> list[LiveGuest]:
     """Every guest the test had, also after they were destroyed (durations, names)."""
     return list(item.stash.get(STATE_KEY, _ItemState()).guests)

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 RUN_KEY = pytest.StashKey[SmolRun]()
 GUESTS_KEY = pytest.StashKey[list["LiveGuest"]]()
-REPORTS_KEY = pytest.StashKey[dict[str, pytest.TestReport]]()
 COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 PROBLEMS_KEY = pytest.StashKey[list[str]]()
 DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
@@ -230,7 +229,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         # The probe boot and the baseline's preparation are the run's, whichever test came first:
         # counted in the test's duration they would skew --durations, JUnit and the results.
         report.duration = max(0.0, report.duration - item.stash[DECISION_KEY])
-    item.stash.setdefault(REPORTS_KEY, {})[report.when] = report
     guests = item.stash.get(GUESTS_KEY, None)
     if guests is not None:  # the test asked for a guest
         from pytest_smolvm.plugin import artifacts
@@ -246,10 +244,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from pytest_smolvm.plugin import async_tests
 
     return async_tests.run(pyfuncitem)
-
-
-def _test_failed(item: pytest.Item) -> bool:
-    return any(r.failed for r in item.stash.get(REPORTS_KEY, {}).values())
 
 
 def _fail_setup(message: str) -> NoReturn:
@@ -323,7 +317,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
             pool = run.pool
             keep = run.settings.keep
             artifacts.before_destroy(item, made)  # files to save need the guests alive
-            keeping = keep == "always" or (keep == "failed" and _test_failed(item))
+            keeping = keep == "always" or (keep == "failed" and artifacts.failed_so_far(item))
             for live in reversed(made):
                 if not keeping:
                     pool.release(live)
