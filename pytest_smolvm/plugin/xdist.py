@@ -73,6 +73,7 @@ class Controller:
         """Call ``callback(crashed)`` whenever a worker ends."""
         self._on_node_down.append(callback)
 
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own, which always answers
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
         if self.worker_slots <= 1:
             return None  # xdist's own, without importing its schedulers here
