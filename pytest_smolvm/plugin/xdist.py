@@ -3,8 +3,10 @@
 The controller tells each worker, through ``workerinput``, the run it belongs to, where the plan
 service listens, and the paths the controller resolved (relative paths must mean the same file
 in every process); each worker tells the controller, through ``workeroutput``, what went wrong
-in its teardowns and what long host work it did. Only the controller registers :class:`Controller`,
-and only where xdist is installed: its hook names exist only then.
+in its teardowns and what long host work it did. The controller also picks xdist's scheduler
+under ``--smol-concurrency`` (plugin/scheduling.py), and reports each test a crashed worker had
+in flight, where xdist reports one. Only the controller registers :class:`Controller`, and only
+where xdist is installed: its hook names exist only then.
 """
 
 from __future__ import annotations
