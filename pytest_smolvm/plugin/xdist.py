@@ -106,12 +106,10 @@ class Controller:
         all (no terminal line, no JUnit entry, no results line)."""
         lost = self._in_flight.pop(_worker_id(node) or "", {})
         scheduler = getattr(self.config.pluginmanager.get_plugin("dsession"), "sched", None)
-        pending = getattr(scheduler, "node2pending", {}).get(node, [])
-        collection = getattr(scheduler, "collection", None) or []
-        xdist_reports = {collection[index] for index in pending if index < len(collection)}
+        not_started = _not_seen_started(scheduler, node)
         for nodeid, location in lost.items():
-            if nodeid in xdist_reports:
-                continue  # xdist's own crash report names it
+            if nodeid in not_started:
+                continue  # xdist reports it (the first of them) or runs it elsewhere
             report = pytest.TestReport(nodeid, location, {}, "failed",
                                        f"worker {_worker_id(node)!r} crashed while {nodeid!r} was in flight",
                                        "???")  # type: ignore[arg-type]  # xdist's phase for a crash
@@ -145,3 +143,15 @@ def _worker_id(node: Any) -> str | None:
     """xdist's id of a worker ("gw0") from its WorkerController, as reports carry it."""
     found = getattr(getattr(node, "gateway", None), "id", None)
     return found if isinstance(found, str) else None
+
+
+def _not_seen_started(scheduler: Any, node: Any) -> set[str]:
+    """The tests xdist handed ``node`` and has not seen start, in the shapes its schedulers keep:
+    ``node2pending`` (indices into the collection: load, worksteal, each) or ``assigned_work``
+    (per scope, each test and whether it is done: loadscope, loadfile, loadgroup)."""
+    pending = getattr(scheduler, "node2pending", {}).get(node)
+    if pending is not None:
+        collection = getattr(scheduler, "node2collection", {}).get(node) or getattr(scheduler, "collection", None) or []
+        return {collection[index] for index in pending if index < len(collection)}
+    work = getattr(scheduler, "assigned_work", {}).get(node, {})
+    return {nodeid for unit in work.values() for nodeid, done in unit.items() if not done}
