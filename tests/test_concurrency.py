@@ -133,6 +133,44 @@ def test_a_run_that_fits_every_workers_slots_starts_every_test_at_once(pytester:
     assert sorted(workers) == ["gw0"] * 4 + ["gw1"] * 4
 
 
+MIXED_LENGTHS = """
+    import os, time
+
+    def ran(name, worker_id):
+        with open(os.path.join({where!r}, name), "w") as f:
+            f.write(worker_id)
+
+    def test_slow_1(worker_id):
+        time.sleep(1.5); ran("slow_1", worker_id)
+
+    def test_slow_2(worker_id):
+        time.sleep(1.5); ran("slow_2", worker_id)
+
+    def test_slow_3(worker_id):
+        time.sleep(1.5); ran("slow_3", worker_id)
+
+    def test_fast_1(worker_id):
+        pass
+
+    def test_fast_2(worker_id):
+        pass
+
+    async def test_in_a_guest(smol_vm):
+        assert (await smol_vm.aio.exec("echo ok")).stdout == "ok\\n"
+"""
+
+
+def test_a_run_with_synchronous_tests_keeps_xdists_balancing(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # Split evenly up front, in collection order, the three slow synchronous tests all went to
+    # one worker and the run took their sum; xdist's load scheduling gives them to both.
+    where = pytester.mkdir("ran")
+    pytester.makepyfile(test_mixed=MIXED_LENGTHS.format(where=str(where)))
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-concurrency=4", "-p", "no:anyio", "-p", "no:randomly")
+    result.assert_outcomes(passed=6)
+    workers = {(where / f"slow_{i}").read_text() for i in (1, 2, 3)}
+    assert workers == {"gw0", "gw1"}, workers
+
+
 def test_a_chosen_dist_keeps_xdists_scheduling(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makeconftest("""
         import pytest

@@ -75,6 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
         glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
         glue.on_worker_down(lambda crashed: _after_worker(run, crashed))
         glue.worker_slots = settings.concurrency
+        glue.all_concurrent = run.workers_all_concurrent
         config.pluginmanager.register(_FirstTest(config, run), "smolvm-first-test")
         config.stash[PROBLEMS_KEY] = glue.problems
         config.stash[WORK_KEY] = glue.work
@@ -136,7 +137,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         episodes.parametrize(metafunc)
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)  # in a worker, before xdist's own hook hands the controller the collection
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Only an ``async def`` guest test can run concurrently; a suite without one never loads the runner.
     coroutines = [item for item in session.items if inspect.iscoroutinefunction(getattr(item, "obj", None))]
@@ -148,8 +149,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from pytest_smolvm.plugin import concurrency
 
         run = session.config.stash[RUN_KEY]
-        session.config.pluginmanager.register(
-            concurrency.ConcurrentRunner(session.config, run, run.settings.concurrency), "smolvm-concurrency")
+        runner = concurrency.ConcurrentRunner(session.config, run, run.settings.concurrency)
+        session.config.pluginmanager.register(runner, "smolvm-concurrency")
+        if run.is_worker and len(coroutines) == len(session.items):
+            xdist.say_if_all_concurrent(run, runner.takes, session.items)
 
 
 class _FirstTest:

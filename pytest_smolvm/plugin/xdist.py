@@ -12,9 +12,14 @@ where xdist is installed: its hook names exist only then.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from pytest_smolvm.errors import SmolVMError
+
+if TYPE_CHECKING:
+    from pytest_smolvm.session.run import SmolRun
 
 # workerinput: controller -> worker
 RUN_ID = "smolvm_run_id"  # the run's id, the same in every process
@@ -58,6 +63,7 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.worker_slots = 1  # --smol-concurrency: tests each worker keeps in flight
+        self.all_concurrent: Callable[[], set[str]] = set  # the workers whose every test runs concurrently
         # Per worker: tests set up and not yet torn down (id -> location); more than one only
         # under --smol-concurrency or a smol_episodes(concurrency=) marker.
         self._in_flight: dict[str, dict[str, tuple[str, int | None, str]]] = {}
@@ -81,7 +87,7 @@ class Controller:
             return None  # xdist's own, without importing its schedulers here
         from pytest_smolvm.plugin.scheduling import make_scheduler
 
-        return make_scheduler(config, log, self.worker_slots)
+        return make_scheduler(config, log, self.worker_slots, self.all_concurrent)
 
     def pytest_configure_node(self, node: Any) -> None:
         for key, value in self._inputs.items():
@@ -137,6 +143,20 @@ def controller(config: pytest.Config) -> Controller | None:
         config.pluginmanager.register(found, CONTROLLER_NAME)
     assert isinstance(found, Controller)
     return found
+
+
+def say_if_all_concurrent(run: SmolRun, takes: Callable[[pytest.Item], int], items: list[pytest.Item]) -> None:
+    """From a worker's collection, before xdist hands the controller its ids: whether every test
+    runs concurrently, --smol-concurrency at a time. Only then may the controller split a run
+    that fits the slots evenly up front (plugin/scheduling.py); a synchronous test is better
+    rebalanced as it finishes. If the controller cannot be told, it keeps xdist's scheduling."""
+    slots = run.settings.concurrency
+    if slots <= 1 or not all(takes(item) >= slots for item in items):
+        return
+    try:
+        run.say_all_concurrent()
+    except SmolVMError:
+        pass
 
 
 def _worker_id(node: Any) -> str | None:

@@ -75,6 +75,8 @@ class Planner:
         self.run_id = run_id
         self.worker = worker
         self.backend: Backend | None = None
+        # xdist workers whose every collected test runs concurrently (plugin/scheduling.py asks)
+        self.all_concurrent: set[str] = set()
         self._plan: RunPlan | None = None
         self._error: UsageError | ProvisionError | None = None
         self._lock = threading.Lock()
@@ -154,6 +156,9 @@ def answer(planner: Planner, request: dict[str, Any]) -> dict[str, Any]:
             return {"plan": planner.plan().to_json()}
         if request.get("op") == "share_source":
             return {"name": planner.share_source(spec_from_json(request["spec"]))}
+        if request.get("op") == "all_concurrent":
+            planner.all_concurrent.add(str(request.get("worker")))
+            return {}
         return {"error": f"unknown request {request.get('op')!r}", "kind": "provision"}
     except UsageError as exc:
         return {"error": str(exc), "kind": "usage"}
@@ -186,6 +191,10 @@ class RemotePlanner:
 
     def share_source(self, spec: VMSpec) -> str:
         return str(self._ask({"op": "share_source", "spec": spec_to_json(spec)})["name"])
+
+    def say_all_concurrent(self, worker: str) -> None:
+        """Tell the controller that every test this worker collected runs concurrently."""
+        self._ask({"op": "all_concurrent", "worker": worker})
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         try:

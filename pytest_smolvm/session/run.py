@@ -71,6 +71,22 @@ class SmolRun:
                 self._service = PlanService(answer)
             return self._service.address
 
+    def workers_all_concurrent(self) -> set[str]:
+        """In xdist's controller: the workers that said every test they collected runs concurrently."""
+        from pytest_smolvm.session.plan import Planner
+
+        planner = self.planner
+        return set(planner.all_concurrent) if isinstance(planner, Planner) else set()
+
+    def say_all_concurrent(self) -> None:
+        """In an xdist worker: tell the controller that every test this worker collected runs
+        concurrently (over the plan service, as the plan is asked for)."""
+        from pytest_smolvm.session.plan import RemotePlanner
+
+        planner = self.planner
+        if isinstance(planner, RemotePlanner):
+            planner.say_all_concurrent(self.worker)
+
     @property
     def plan(self) -> RunPlan | None:
         """The plan if this process has it already (never triggers the decision)."""
