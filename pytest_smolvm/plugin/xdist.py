@@ -153,10 +153,14 @@ def say_if_all_concurrent(run: SmolRun, takes: Callable[[pytest.Item], int], ite
     slots = run.settings.concurrency
     if slots <= 1 or not all(takes(item) >= slots for item in items):
         return
-    try:
-        run.say_all_concurrent()
-    except SmolVMError:
-        pass
+    from pytest_smolvm.session.plan import RemotePlanner
+
+    planner = run.planner
+    if isinstance(planner, RemotePlanner):  # the controller's plan service, as the plan is asked for
+        try:
+            planner.say_all_concurrent(run.worker)
+        except SmolVMError:
+            pass
 
 
 def _worker_id(node: Any) -> str | None:

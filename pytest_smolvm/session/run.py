@@ -78,15 +78,6 @@ class SmolRun:
         planner = self.planner
         return set(planner.all_concurrent) if isinstance(planner, Planner) else set()
 
-    def say_all_concurrent(self) -> None:
-        """In an xdist worker: tell the controller that every test this worker collected runs
-        concurrently (over the plan service, as the plan is asked for)."""
-        from pytest_smolvm.session.plan import RemotePlanner
-
-        planner = self.planner
-        if isinstance(planner, RemotePlanner):
-            planner.say_all_concurrent(self.worker)
-
     @property
     def plan(self) -> RunPlan | None:
         """The plan if this process has it already (never triggers the decision)."""
