@@ -458,22 +458,52 @@ def test_a_read_past_its_cap_holds_no_more_than_the_cap(vm: VM, tmp_path: Path) 
 # --------------------------------------------------------------------------- defaults
 
 
+def _cloud_resources(guest: Guest, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The resources the loopback smol cloud holds for ``guest``'s machine."""
+    cloud = request.getfixturevalue("loopback_cloud")
+    machine_id = getattr(guest, "machine_id", None)
+    found = [m for m in cloud.machines() if m.get("id") == machine_id or m.get("name") == guest.name]
+    assert len(found) == 1, [m.get("name") for m in cloud.machines()]
+    resources: dict[str, Any] = found[0]["resources"]
+    return resources
+
+
+def _cgroup_file(guest: Guest, *names: str) -> str | None:
+    """The first of ``names`` in the guest's cgroup dirs, read; None without that controller."""
+    for directory in getattr(guest, "cgroup_dirs", []):
+        for name in names:
+            path = Path(directory, name)
+            if path.exists():
+                return path.read_text()
+    return None
+
+
 def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequest) -> int:
     """The memory the backend gave ``guest``: its cgroup (namespace), its machine (smol cloud)."""
     if backend.name == "namespace":
-        for directory in getattr(guest, "cgroup_dirs", []):
-            for name in ("memory.limit_in_bytes", "memory.max"):
-                path = Path(directory, name)
-                if path.exists():  # the guest's tmpfs disk is charged to it as well: not the processes'
-                    return (int(path.read_text()) >> 20) - limits.LIMITS.disk_mb
-        pytest.skip("no memory cgroup on this host: the limit is not applied")
+        limit = _cgroup_file(guest, "memory.limit_in_bytes", "memory.max")
+        if limit is None:
+            pytest.skip("no memory cgroup on this host: the limit is not applied")
+        return (int(limit) >> 20) - limits.LIMITS.disk_mb  # the guest's tmpfs disk is charged to it as well
     if getattr(backend, "target", "") == "cloud":
-        cloud = request.getfixturevalue("loopback_cloud")
-        machine_id = getattr(guest, "machine_id", None)
-        found = [m for m in cloud.machines() if m.get("id") == machine_id or m.get("name") == guest.name]
-        assert len(found) == 1, [m.get("name") for m in cloud.machines()]
-        return int(found[0]["resources"]["memoryMb"])
+        return int(_cloud_resources(guest, request)["memoryMb"])
     pytest.skip(f"{backend.name}: no way to read a guest's memory from outside it")
+
+
+def _cpu_limit(backend: Backend, guest: Guest, request: pytest.FixtureRequest) -> float:
+    """The CPUs the backend gave ``guest``: its cgroup's quota (namespace), its machine's vCPUs."""
+    if backend.name == "namespace":
+        quota = _cgroup_file(guest, "cpu.max")
+        if quota is not None:
+            allowed, period = quota.split()
+            return int(allowed) / int(period)
+        quota = _cgroup_file(guest, "cpu.cfs_quota_us")
+        if quota is None:
+            pytest.skip("no cpu cgroup on this host: the limit is not applied")
+        return int(quota) / int(_cgroup_file(guest, "cpu.cfs_period_us") or 0)
+    if getattr(backend, "target", "") == "cloud":
+        return float(_cloud_resources(guest, request)["cpus"])
+    pytest.skip(f"{backend.name}: no way to read a guest's CPUs from outside it")
 
 
 def test_one_default_memory_size_on_every_backend(backend: Backend, make_guest: MakeGuest,
@@ -484,3 +514,13 @@ def test_one_default_memory_size_on_every_backend(backend: Backend, make_guest: 
     assert _memory_limit_mb(backend, default, request) == limits.LIMITS.memory_mb
     _, asked = make_guest(memory_mb=320)
     assert _memory_limit_mb(backend, asked, request) == 320
+
+
+def test_one_default_cpu_count_on_every_backend(backend: Backend, make_guest: MakeGuest,
+                                                request: pytest.FixtureRequest) -> None:
+    """The same test gets the same CPUs whatever backend runs it, and cpus overrides it."""
+
+    _, default = make_guest()
+    assert _cpu_limit(backend, default, request) == limits.LIMITS.cpus
+    _, asked = make_guest(cpus=1)
+    assert _cpu_limit(backend, asked, request) == 1

@@ -16,9 +16,12 @@ CPU_PERIOD_US = 100_000
 GUEST_PREFIX = "smolvm-"  # every guest cgroup is named so
 
 
-def default_cpus() -> float:
-    """CPUs a guest may use when the marker names none: all but one of the host's, at least one."""
-    return float(max(1, (os.cpu_count() or 1) - 1))
+def cpus_allowed(limits: Limits, cpus: float | None, *, defaults: bool = True) -> float:
+    """The CPUs a guest made by :func:`create` with these arguments can use at once."""
+    host = float(os.cpu_count() or 1)
+    if defaults:
+        cpus = cpus or guest_defaults.LIMITS.cpus
+    return min(host, cpus) if cpus and "cpu" in limits.parents else host
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
     (else a guest filling its disk would be killed for memory instead of told ENOSPC).
     """
     if defaults:
-        cpus = cpus or default_cpus()
+        cpus = cpus or guest_defaults.LIMITS.cpus
         memory_mb = memory_mb or guest_defaults.LIMITS.memory_mb
     if memory_mb:
         memory_mb += disk_mb

@@ -28,7 +28,6 @@ from pytest_smolvm.backends.base import BackendOptions, Guest, ProbeResult, VMSp
 from pytest_smolvm.backends.smol import proxy_lookup
 from pytest_smolvm.backends.smol.batching import BranchBatcher
 from pytest_smolvm.backends.smol.common import (
-    DEFAULT_CPUS,
     DEFAULT_TTL_SECONDS,
     DERIVED,
     IMAGE_ARCHIVE_SUFFIXES,
@@ -76,7 +75,7 @@ class SmolBackend:
     idle_guests_are_free: ClassVar[bool] = False  # a cloud machine is billed; a local one holds its memory
 
     def __init__(self, options: BackendOptions | None = None, *,
-                 ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = DEFAULT_CPUS,
+                 ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = limits.LIMITS.cpus,
                  memory_mb: int = limits.LIMITS.memory_mb, ready_timeout: float = limits.LIMITS.smol_ready) -> None:
         options = options or BackendOptions()
         target, labels = options.target, options.labels
