@@ -7,19 +7,25 @@ dir, fed by the same producers ``copy_in`` uses (the host's GNU tar, ``tarfile``
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from pytest_smolvm.backends.namespace.helper import unpack
 from pytest_smolvm.backends.namespace.helper.unpack import OPEN_LEVELS, Unpacker, _number
+from pytest_smolvm.backends.namespace.helper.writers import POOLED_FILE_BYTES
+from pytest_smolvm.host.procs import wait_gone
 
 GNU_TAR = shutil.which("tar")
 
@@ -77,13 +83,30 @@ def _tarfile(src: Path, fmt: int) -> bytes:
     return out.getvalue()
 
 
-def _unpack(data: bytes, dest: Path) -> None:
+def _unpack(data: bytes, dest: Path, writers: int = 1) -> None:
     dest.mkdir(exist_ok=True)
-    Unpacker(str(dest), io.BytesIO(data).read).run()
+    Unpacker(str(dest), io.BytesIO(data).read, writers=writers).run()
 
 
+@pytest.fixture
+def writers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """1: every file made in-process; 2: writer processes from the first small file on."""
+    count: int = getattr(request, "param", 1)
+    monkeypatch.setattr(unpack, "WRITERS_AFTER", 0)
+    return count
+
+
+def _children() -> set[int]:
+    """This process's children, every thread's."""
+    found: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        found.update(int(pid) for pid in (task / "children").read_text().split())
+    return found
+
+
+@pytest.mark.parametrize("writers", [1, 2], indirect=True)
 @pytest.mark.parametrize("producer", ["gnu-tar", "tarfile-pax", "tarfile-gnu", "tarfile-ustar"])
-def test_every_producer_round_trips(tmp_path: Path, producer: str) -> None:
+def test_every_producer_round_trips(tmp_path: Path, producer: str, writers: int) -> None:
     src = _source(tmp_path)
     if producer == "gnu-tar":
         if GNU_TAR is None:
@@ -94,7 +117,7 @@ def test_every_producer_round_trips(tmp_path: Path, producer: str) -> None:
                "tarfile-ustar": tarfile.USTAR_FORMAT}[producer]
         data = _tarfile(src, fmt)
     dest = tmp_path / "dest"
-    _unpack(data, dest)
+    _unpack(data, dest, writers)
     assert _tree(dest) == _tree(src)
     assert os.stat(dest / "hard").st_ino == os.stat(dest / "run.sh").st_ino
     assert stat.S_IMODE(dest.stat().st_mode) == stat.S_IMODE(src.stat().st_mode)  # "." onto dest
@@ -151,15 +174,19 @@ def test_what_is_already_there_is_replaced_never_written_through(tmp_path: Path)
     assert (elsewhere / "inner").read_text() == "through the link\n"
 
 
-def test_a_file_over_a_directory_names_the_full_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writers", [1, 2], indirect=True)
+def test_a_file_over_a_directory_names_the_full_path(tmp_path: Path, writers: int) -> None:
     dest = tmp_path / "dest"
-    (dest / "x").mkdir(parents=True)
+    (dest / "sub" / "x").mkdir(parents=True)
     src = tmp_path / "src"
-    src.mkdir()
-    (src / "x").write_text("a file\n")
+    (src / "sub").mkdir(parents=True)
+    for name in ("a", "x", "z"):
+        (src / "sub" / name).write_text("a file\n")
+    before = _children()
     with pytest.raises(IsADirectoryError) as refused:
-        _unpack(_tarfile(src, tarfile.PAX_FORMAT), dest)
-    assert refused.value.filename == str(dest / "x")
+        _unpack(_tarfile(src, tarfile.PAX_FORMAT), dest, writers)
+    assert refused.value.filename == str(dest / "sub" / "x")
+    assert _children() - before == set()  # the writers are gone with the error
 
 
 def test_a_truncated_stream_and_a_dotdot_name_are_errors(tmp_path: Path) -> None:
@@ -186,3 +213,176 @@ def test_numbers_in_octal_and_base_256() -> None:
     assert _number(b"\x80" + (8 << 30).to_bytes(11, "big")) == 8 << 30
     with pytest.raises(OSError, match="bad number"):
         _number(b"12x4\0")
+
+
+
+def _many_small_files(src: Path) -> None:
+    """40 directories of 30 small files each: modes, mtimes and directory modes that vary."""
+    for d in range(40):
+        directory = src / f"d{d:02d}"
+        directory.mkdir(parents=True)
+        for f in range(30):
+            path = directory / f"f{f:02d}"
+            path.write_bytes(os.urandom(f * 37))
+            path.chmod((0o644, 0o600, 0o755, 0o4750)[f % 4])
+            os.utime(path, (1_500_000_000 + f, 1_500_000_000 + d * 100 + f))
+        os.utime(directory, (1_600_000_000 + d, 1_600_000_000 + d))
+        if d % 5 == 0:
+            directory.chmod(0o555)  # set once its files are made, by the writer that made them
+
+
+def test_small_files_are_made_by_writer_processes_as_archived(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    _many_small_files(src)
+    data = _gnu_tar(src) if GNU_TAR else _tarfile(src, tarfile.PAX_FORMAT)
+    stream = io.BytesIO(data)
+    before = _children()
+    in_flight: list[set[int]] = []
+
+    def read(size: int) -> bytes:
+        if not in_flight and stream.tell() > len(data) // 2:
+            in_flight.append(_children() - before)
+        return stream.read(size)
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    Unpacker(str(dest), read, writers=2).run()
+    assert len(in_flight[0]) == 2, f"writer processes halfway through the stream: {in_flight[0]}"
+    assert _children() - before == set()
+    try:
+        assert _tree(dest) == _tree(src)
+    finally:
+        for path in (src, dest):
+            subprocess.run(["chmod", "-R", "u+w", str(path)], check=True)
+
+
+def _member(tar: tarfile.TarFile, name: str, data: bytes = b"", *, kind: bytes = tarfile.REGTYPE,
+            link: str = "", mode: int = 0o644, mtime: int = 1_600_000_000) -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode, info.mtime, info.size = kind, link, mode, mtime, len(data)
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+@pytest.mark.parametrize("writers", [2], indirect=True)
+def test_writers_keep_the_streams_order_where_it_matters(tmp_path: Path, writers: int) -> None:
+    """Names written twice, a link to a file a writer has in hand, a directory revisited, a
+    large file beside small ones: each lands as the stream says, as it does made in-process."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _member(tar, "d", kind=tarfile.DIRTYPE, mode=0o750, mtime=1_400_000_000)
+        _member(tar, "d/x", b"first")
+        _member(tar, "d/x", b"second")  # the same batch
+        _member(tar, "d/y", b"a file, then a link")
+        _member(tar, "d/y", kind=tarfile.SYMTYPE, link="x")  # made by the parser, after the file
+        _member(tar, "d/z", kind=tarfile.SYMTYPE, link="x")
+        _member(tar, "d/z", b"a link, then a file")  # made by a writer, after the link
+        _member(tar, "d/h", kind=tarfile.LNKTYPE, link="d/x")  # a hard link to what a writer makes
+        _member(tar, "d/big", b"small first")
+        _member(tar, "d/big", b"B" * (POOLED_FILE_BYTES + 1))  # made by the parser, after the writer's
+        _member(tar, "e", kind=tarfile.DIRTYPE)
+        _member(tar, "e/f", b"elsewhere")
+        _member(tar, "d/x", b"third")  # d again: its writer replaces d/x; d/h keeps "second"
+        _member(tar, "f", b"top")
+        _member(tar, "f/inside", b"a file, then a directory of the same name")
+    data = out.getvalue()
+    made = tmp_path / "writers"
+    with pytest.raises(NotADirectoryError) as refused:  # "f" is a file: the last member cannot go under it
+        _unpack(data, made, writers)
+    assert refused.value.filename == str(made / "f" / "inside")
+    alone = tmp_path / "in-process"
+    with pytest.raises(NotADirectoryError):
+        _unpack(data, alone, 1)
+    assert _tree(made) == _tree(alone)
+    assert (made / "d" / "x").read_bytes() == b"third"
+    assert (made / "d" / "h").read_bytes() == b"second"
+    assert os.readlink(made / "d" / "y") == "x"
+    assert (made / "d" / "z").read_bytes() == b"a link, then a file"
+    assert (made / "d" / "big").stat().st_size == POOLED_FILE_BYTES + 1
+
+
+def test_writers_outlive_no_parser_killed_alone(tmp_path: Path) -> None:
+    """The host kills a request's whole process group; a parser killed alone (the OOM killer)
+    still takes its writers with it: they read the end of their socket and exit."""
+    src = tmp_path / "src"
+    _many_small_files(src)
+    data = _tarfile(src, tarfile.PAX_FORMAT)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    script = textwrap.dedent(f"""
+        import sys
+        from pytest_smolvm.backends.namespace.helper import unpack
+        unpack.WRITERS_AFTER = 0
+        unpack.Unpacker({str(dest)!r}, sys.stdin.buffer.read, writers=2).run()
+    """)
+    parser = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    try:
+        assert parser.stdin is not None
+        parser.stdin.write(data[:len(data) // 2])  # the rest never comes: the parser waits for it
+        parser.stdin.flush()
+        children: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(children) < 2 and time.monotonic() < deadline:
+            children = [int(pid) for pid in Path(f"/proc/{parser.pid}/task/{parser.pid}/children").read_text().split()]
+            time.sleep(0.02)
+        assert len(children) == 2, children
+        os.kill(parser.pid, signal.SIGKILL)
+        parser.wait(timeout=10)
+        for pid in children:
+            assert wait_gone(pid, 10), f"writer {pid} outlived its parser"
+    finally:
+        parser.kill()
+        parser.wait()
+        subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=True)
+
+
+def test_no_process_to_spare_makes_every_file_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guest at its pids limit: the second writer cannot be forked. The first is reaped, and
+    the copy goes on without them."""
+    src = tmp_path / "src"
+    _many_small_files(src)
+    real_fork, forks = os.fork, []
+
+    def fork() -> int:
+        forks.append(1)
+        if len(forks) > 1:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_fork()
+
+    monkeypatch.setattr(unpack, "WRITERS_AFTER", 0)
+    monkeypatch.setattr(os, "fork", fork)
+    before = _children()
+    dest = tmp_path / "dest"
+    try:
+        _unpack(_tarfile(src, tarfile.PAX_FORMAT), dest, 2)
+        assert len(forks) == 2 and _children() - before == set()
+        assert _tree(dest) == _tree(src)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=True)
+
+
+def test_a_writer_killed_mid_stream_fails_the_copy_cleanly(tmp_path: Path, writers: int) -> None:
+    """The OOM killer takes a writer: the copy fails with an error that says so, never hangs,
+    and the other writer is reaped."""
+    src = tmp_path / "src"
+    _many_small_files(src)
+    data = _tarfile(src, tarfile.PAX_FORMAT)
+    stream = io.BytesIO(data)
+    before = _children()
+    killed: list[int] = []
+
+    def read(size: int) -> bytes:
+        if not killed and stream.tell() > len(data) // 3 and len(_children() - before) == 2:
+            killed.append(min(_children() - before))
+            os.kill(killed[0], signal.SIGKILL)
+        return stream.read(size)
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    try:
+        with pytest.raises(OSError, match="a writer process died") as failed:
+            Unpacker(str(dest), read, writers=2).run()
+        assert failed.value.errno == errno.EIO and killed
+        assert _children() - before == set()
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=True)

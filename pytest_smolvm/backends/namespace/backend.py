@@ -136,7 +136,8 @@ class NamespaceBackend:
             scratch.rmdir()
             raise
         ctl = socket.socket(fileno=fds[0])
-        guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env)
+        guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env,
+                               cpus=cgroups.cpus_allowed(self.limits, spec.cpus, defaults="limits" not in relax))
         if networked:
             try:
                 guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)

@@ -29,6 +29,7 @@ from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends.namespace.helper.writers import writers_for
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
 from pytest_smolvm.errors import GuestError, ProvisionError
@@ -48,13 +49,14 @@ class NamespaceGuest:
     """One namespace guest. Calls from several threads run at once: each has its own channel."""
 
     def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
-                 cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str]) -> None:
+                 cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str], *, cpus: float = 1) -> None:
         self.name = name
         self._channel = Channel(ctl, name)
         self.pid = pid
         self.pid_start = process_start_time(pid)
         self.scratch = scratch
         self.cgroup_dirs = cgroup_dirs
+        self._unpack_writers = writers_for(cpus)  # copy_in's, in the guest: as many as its CPUs allow
         self._oom_kills = 0  # the cgroup's OOM kill count after the last exec (a new cgroup has none)
         self._env = {**BASE_ENV, **rootfs.env, "HOSTNAME": name, **spec_env}
         self._spec_env_keys = set(spec_env)
@@ -171,7 +173,8 @@ class NamespaceGuest:
         producer.start()
         try:
             with theirs, os.fdopen(theirs.fileno(), "rb", closefd=False) as source:
-                self._file_op({"op": "put_archive", "path": guest_dir}, user=user, stdin=source)
+                self._file_op({"op": "put_archive", "path": guest_dir, "writers": self._unpack_writers},
+                              user=user, stdin=source)
         finally:
             with contextlib.suppress(OSError):
                 ours.shutdown(socket.SHUT_RDWR)

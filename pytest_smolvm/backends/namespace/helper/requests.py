@@ -230,7 +230,7 @@ def _op_put_archive(message: dict[str, Any]) -> int:
     dest = message["path"]
     os.makedirs(dest, exist_ok=True)
     with os.fdopen(0, "rb", buffering=1 << 16, closefd=False) as src:
-        Unpacker(dest, src.read).run()
+        Unpacker(dest, src.read, writers=int(message.get("writers", 1))).run()
     return 0
 
 

@@ -17,6 +17,9 @@ here for two things the guest's own ``tar`` could not give:
   modes as archived (setuid bits too), the request's user as owner, mtimes kept; an existing
   file or link is replaced (never written through), an existing directory, or a link to one,
   is kept and written into; a directory's mode and mtime are set once the stream has left it.
+- **Small files are made by several processes** where the guest has CPUs for them
+  (``writers``): in the guest's overlay root the kernel's work per file is what 10,000 small
+  files cost, not the parsing.
 """
 
 from __future__ import annotations
@@ -28,10 +31,19 @@ import stat
 from collections.abc import Callable
 from typing import TypeVar
 
+from pytest_smolvm.backends.namespace.helper.writers import (
+    POOLED_FILE_BYTES,
+    Writers,
+    create_file,
+    finish_file,
+    set_attrs,
+    write_all,
+    write_file,
+)
+
 T = TypeVar("T")
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 CHUNK = 1 << 20
@@ -39,7 +51,7 @@ OPEN_LEVELS = 256  # directory fds held open at most; deeper levels are reopened
 REGULAR_TYPES = (b"0", b"\0", b"7")
 LINK_TYPES = (b"1", b"2")
 META_TYPES = (b"L", b"K", b"x", b"g")  # headers that describe the next member
-
+WRITERS_AFTER = 256  # small files made in-process before writers start: a small copy forks nothing
 
 def _number(field: bytes) -> int:
     """A tar header's numeric field: octal text, or GNU's base-256 for big values."""
@@ -97,7 +109,7 @@ class _Level:
 class Unpacker:
     """The host's tar stream (read through ``read``) unpacked under the directory ``dest``."""
 
-    def __init__(self, dest: str, read: Callable[[int], bytes]) -> None:
+    def __init__(self, dest: str, read: Callable[[int], bytes], *, writers: int = 1) -> None:
         self.dest = dest.rstrip("/") or "/"
         self.read = read
         self.root = os.open(dest, DIR_FLAGS)
@@ -105,6 +117,9 @@ class Unpacker:
         self.stack: list[_Level] = []
         self.names: list[bytes] = []  # the stack's names, compared in one go per member
         self.implicit_mode = 0o777  # a parent the stream did not list: as tar makes it, under the umask
+        self.writers_wanted = writers
+        self.small_files = 0  # made in-process, before the writers start
+        self.writers: Writers | None = None
 
     def run(self) -> None:
         umask = os.umask(0)  # modes as archived (tar -p)
@@ -114,9 +129,13 @@ class Unpacker:
             while self.read(CHUNK):
                 pass  # the record's padding: the host's tar writes it all before it exits
             self._leave(0)
+            if self.writers is not None:
+                self.writers.close()  # every file made, every directory's attributes set
             if self.root_attrs is not None:
                 self._set_attrs(self.root, *self.root_attrs)
         finally:
+            if self.writers is not None:
+                self.writers.stop()
             for level in self.stack:
                 if level.fd is not None:
                     os.close(level.fd)
@@ -165,11 +184,13 @@ class Unpacker:
                         and b".." not in parts:
                     # Most members: a file in the directory the last one was in. No call costs
                     # here more than it must (10,000 small files: each microsecond is 10 ms).
-                    self._write_file(self._fd(len(self.stack) - 1), parts[-1], mode, mtime_ns, size)
+                    self._file(parts[-1], mode, mtime_ns, size)
                 else:
                     self._member(kind, parts, link or _text(header[157:257]) if kind in LINK_TYPES else b"",
                                  mode, mtime_ns, size, header)
             except OSError as exc:
+                if self.writers is not None and exc is self.writers.failure:
+                    raise  # a writer's, about a file of its own (the name is in it)
                 shown = os.path.join(self.dest, os.fsdecode(b"/".join(parts)))
                 raise OSError(exc.errno, exc.strerror or str(exc), shown) from None
 
@@ -184,10 +205,14 @@ class Unpacker:
         at = self._enter(parts[:-1])
         base = parts[-1]
         if kind in REGULAR_TYPES:
-            self._write_file(at, base, mode, mtime_ns, size)
+            self._file(base, mode, mtime_ns, size)
             return
         if size and kind != b"5":
             raise OSError(errno.EINVAL, f"a tar member of type {kind!r} with data")
+        if self.writers is not None:  # what is made here is made after what a writer makes there
+            self.writers.wait_for(tuple(parts))
+            if kind == b"1":
+                self.writers.wait_for(tuple(part for part in link.split(b"/") if part and part != b"."))
         if kind == b"5":
             with contextlib.suppress(FileExistsError):  # kept, as tar keeps it, a link to a directory too
                 os.mkdir(base, (mode & 0o777) | 0o700, dir_fd=at)
@@ -218,29 +243,36 @@ class Unpacker:
             os.unlink(base, dir_fd=at)  # a directory there stays, and says so (EISDIR)
             return make()
 
-    def _write_file(self, at: int, base: bytes, mode: int, mtime_ns: int, size: int) -> None:
-        try:
-            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
-        except FileExistsError:
-            os.unlink(base, dir_fd=at)  # replaced, never written through
-            fd = os.open(base, FILE_FLAGS, mode & 0o777, dir_fd=at)
-        try:
-            if size <= CHUNK:  # one read brings the data and its padding
+    def _file(self, base: bytes, mode: int, mtime_ns: int, size: int) -> None:
+        """A regular file in the directory the stream is in: handed to a writer when small."""
+        writers = self.writers
+        if writers is None and size <= POOLED_FILE_BYTES and self.writers_wanted > 1:
+            self.small_files += 1
+            if self.small_files > WRITERS_AFTER:
+                try:
+                    writers = self.writers = Writers(self.writers_wanted, self.dest)
+                except OSError:  # no process to spare (the guest at its pids limit): made here
+                    self.writers_wanted = 1
+        top = len(self.stack) - 1
+        if writers is not None:
+            if size <= POOLED_FILE_BYTES and len(base) <= 255:
                 data = self._exactly(size + (-size % BLOCK))
-                if size and os.write(fd, data[:size]) != size:
-                    self._write_all(fd, memoryview(data)[:size])
-            else:
-                self._copy(fd, size)
-            if mode & 0o7000:
-                os.fchmod(fd, mode)
-            os.utime(fd, ns=(mtime_ns, mtime_ns))
+                writers.add(self.names, self._fd(top), base, mode, mtime_ns,
+                            data[:size] if len(data) != size else data)
+                return
+            writers.wait_for((*self.names, base))
+        self._write_file(self._fd(top), base, mode, mtime_ns, size)
+
+    def _write_file(self, at: int, base: bytes, mode: int, mtime_ns: int, size: int) -> None:
+        if size <= CHUNK:  # one read brings the data and its padding
+            write_file(at, base, mode, mtime_ns, memoryview(self._exactly(size + (-size % BLOCK)))[:size])
+            return
+        fd = create_file(at, base, mode)
+        try:
+            self._copy(fd, size)
+            finish_file(fd, mode, mtime_ns)
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _write_all(fd: int, view: memoryview) -> None:
-        while view:
-            view = view[os.write(fd, view):]
 
     def _copy(self, fd: int, size: int) -> None:
         left = size
@@ -248,7 +280,7 @@ class Unpacker:
             step = min(left, CHUNK)
             # The last piece brings the member's padding with it: one read less per small file.
             chunk = self._exactly(step if step < left else step + (-size % BLOCK))
-            self._write_all(fd, memoryview(chunk)[:step])
+            write_all(fd, memoryview(chunk)[:step])
             left -= step
 
     def _exactly(self, size: int) -> bytes:
@@ -268,12 +300,16 @@ class Unpacker:
             self._leave(depth)
             for name in parents[depth:]:
                 at = self._fd(len(self.stack) - 1)
+                if self.writers is not None:
+                    self.writers.wait_for((*self.names, name))
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, self.implicit_mode, dir_fd=at)
                 self._push(_Level(name, os.open(name, DIR_FLAGS, dir_fd=at), None))
         return self._fd(len(self.stack) - 1)
 
     def _push(self, level: _Level) -> None:
+        if self.writers is not None:
+            self.writers.flush()  # a batch is one directory's, sent with that directory's fd
         self.stack.append(level)
         self.names.append(level.name)
         oldest = len(self.stack) - 1 - OPEN_LEVELS
@@ -286,8 +322,14 @@ class Unpacker:
         """Pop the levels below ``depth``, giving each listed directory its mode and mtime."""
         while len(self.stack) > depth:
             level = self.stack[-1]
+            if self.writers is not None:
+                self.writers.flush()  # before the directory's fd is closed
             if level.attrs is not None:
-                self._set_attrs(self._fd(len(self.stack) - 1), *level.attrs)
+                at = self._fd(len(self.stack) - 1)
+                if self.writers is not None and self.writers.busy(self.names):
+                    self.writers.set_attrs(self.names, at, *level.attrs)  # after its files
+                else:
+                    self._set_attrs(at, *level.attrs)
             self.stack.pop()
             self.names.pop()
             if level.fd is not None:
@@ -308,5 +350,4 @@ class Unpacker:
 
     @staticmethod
     def _set_attrs(fd: int, mode: int, mtime_ns: int) -> None:
-        os.fchmod(fd, mode)
-        os.utime(fd, ns=(mtime_ns, mtime_ns))
+        set_attrs(fd, mode, mtime_ns)
