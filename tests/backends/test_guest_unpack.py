@@ -17,15 +17,20 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from pytest_smolvm.backends.base import Backend
+from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace.helper import unpack
 from pytest_smolvm.backends.namespace.helper.unpack import OPEN_LEVELS, Unpacker, _number
-from pytest_smolvm.backends.namespace.helper.writers import POOLED_FILE_BYTES
+from pytest_smolvm.backends.namespace.helper.writers import POOLED_FILE_BYTES, writers_for
 from pytest_smolvm.host.procs import wait_gone
+from tests.backends.conftest import MakeGuest
 
 GNU_TAR = shutil.which("tar")
 
@@ -311,7 +316,9 @@ def test_writers_outlive_no_parser_killed_alone(tmp_path: Path) -> None:
     dest.mkdir()
     script = textwrap.dedent(f"""
         import sys
-        from pytest_smolvm.backends.namespace.helper import unpack
+        from pytest_smolvm.backends.base import Backend
+from pytest_smolvm.backends.namespace import cgroups
+from pytest_smolvm.backends.namespace.helper import unpack
         unpack.WRITERS_AFTER = 0
         unpack.Unpacker({str(dest)!r}, sys.stdin.buffer.read, writers=2).run()
     """)
@@ -386,3 +393,55 @@ def test_a_writer_killed_mid_stream_fails_the_copy_cleanly(tmp_path: Path, write
         assert _children() - before == set()
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=True)
+
+
+def _descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    queue = [pid]
+    while queue:
+        try:
+            children = Path(f"/proc/{queue.pop()}/task").glob("*/children")
+            for task in children:
+                pids = [int(child) for child in task.read_text().split()]
+                found.update(pids)
+                queue.extend(pids)
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_a_guests_copy_in_starts_as_many_writers_as_its_cpus(make_guest: MakeGuest, backend: Backend,
+                                                              tmp_path: Path) -> None:
+    """The host tells the guest's unpacker how many writers its CPUs allow: two by default,
+    none for a guest given one CPU. Seen from the host, as processes under the guest's init."""
+    src = tmp_path / "src"
+    for d in range(40):
+        (src / f"d{d:02d}").mkdir(parents=True)
+        for f in range(100):
+            (src / f"d{d:02d}" / f"f{f:03d}").write_bytes(b"x" * 100)
+    allowed = cgroups.cpus_allowed(backend.limits, None)  # type: ignore[attr-defined]
+    for cpus, writers in ((None, writers_for(allowed)), (1, 1)):
+        vm, guest = make_guest(**({} if cpus is None else {"cpus": cpus}))
+        most = _most_processes_under(guest.pid, lambda vm=vm: vm.copy_in(src, "/work/tree"))  # type: ignore[attr-defined]
+        assert most == 1 + (writers if writers > 1 else 0), (cpus, most)  # the request's child and its writers
+        assert vm.exec("find /work/tree -type f | wc -l").stdout.strip() == "4000"
+
+
+def _most_processes_under(pid: int, action: Callable[[], object]) -> int:
+    """The most processes seen under ``pid`` while ``action`` ran, beyond those there before."""
+    before = len(_descendants(pid))
+    most, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            most[0] = max(most[0], len(_descendants(pid)) - before)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        action()
+    finally:
+        done.set()
+        watcher.join()
+    return most[0]
