@@ -7,6 +7,7 @@ dir, fed by the same producers ``copy_in`` uses (the host's GNU tar, ``tarfile``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -316,18 +317,16 @@ def test_writers_outlive_no_parser_killed_alone(tmp_path: Path) -> None:
     dest.mkdir()
     script = textwrap.dedent(f"""
         import sys
-        from pytest_smolvm.backends.base import Backend
-from pytest_smolvm.backends.namespace import cgroups
-from pytest_smolvm.backends.namespace.helper import unpack
+        from pytest_smolvm.backends.namespace.helper import unpack
         unpack.WRITERS_AFTER = 0
         unpack.Unpacker({str(dest)!r}, sys.stdin.buffer.read, writers=2).run()
     """)
     parser = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    children: list[int] = []
     try:
         assert parser.stdin is not None
         parser.stdin.write(data[:len(data) // 2])  # the rest never comes: the parser waits for it
         parser.stdin.flush()
-        children: list[int] = []
         deadline = time.monotonic() + 30
         while len(children) < 2 and time.monotonic() < deadline:
             children = [int(pid) for pid in Path(f"/proc/{parser.pid}/task/{parser.pid}/children").read_text().split()]
@@ -340,6 +339,9 @@ from pytest_smolvm.backends.namespace.helper import unpack
     finally:
         parser.kill()
         parser.wait()
+        for pid in children:  # a writer that failed the test: not left spinning
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=True)
 
 
