@@ -132,7 +132,7 @@ class Unpacker:
             if self.writers is not None:
                 self.writers.close()  # every file made, every directory's attributes set
             if self.root_attrs is not None:
-                self._set_attrs(self.root, *self.root_attrs)
+                set_attrs(self.root, *self.root_attrs)
         finally:
             if self.writers is not None:
                 self.writers.stop()
@@ -255,7 +255,7 @@ class Unpacker:
                     self.writers_wanted = 1
         top = len(self.stack) - 1
         if writers is not None:
-            if size <= POOLED_FILE_BYTES and len(base) <= 255:
+            if size <= POOLED_FILE_BYTES and len(base) <= 255:  # a longer name: its error, made here
                 data = self._exactly(size + (-size % BLOCK))
                 writers.add(self.names, self._fd(top), base, mode, mtime_ns,
                             data[:size] if len(data) != size else data)
@@ -329,7 +329,7 @@ class Unpacker:
                 if self.writers is not None and self.writers.busy(self.names):
                     self.writers.set_attrs(self.names, at, *level.attrs)  # after its files
                 else:
-                    self._set_attrs(at, *level.attrs)
+                    set_attrs(at, *level.attrs)
             self.stack.pop()
             self.names.pop()
             if level.fd is not None:
@@ -347,7 +347,3 @@ class Unpacker:
             path = b"/".join(self.names[above + 1:index + 1])
             level.fd = os.open(path, DIR_FLAGS, dir_fd=self._fd(above))
         return level.fd
-
-    @staticmethod
-    def _set_attrs(fd: int, mode: int, mtime_ns: int) -> None:
-        set_attrs(fd, mode, mtime_ns)
