@@ -70,6 +70,14 @@ def test_guest(smol_vm, i, tmp_path):
     smol_vm.write_file("/workspace/mine", str(i))
     smol_vm.copy_in(__file__, "/workspace/copied.py")
     assert smol_vm.exec("test -x /bin/sh && test -e /workspace/copied.py").exit_code == 0
+    tree = tmp_path / "tree"
+    for d in range(4):
+        (tree / f"d{d}").mkdir(parents=True)
+        for f in range(100):
+            (tree / f"d{d}" / f"f{f}").write_text(f"{d}/{f}")
+    smol_vm.copy_in(tree, "/workspace/tree")  # past the unpacker's first 256 files: writers make the rest
+    assert smol_vm.exec("find /workspace/tree -type f | wc -l").stdout == "400\\n"
+    assert smol_vm.exec("cat /workspace/tree/d3/f99").stdout == "3/99"
     smol_vm.copy_out("/workspace", tmp_path / "out")
     assert (tmp_path / "out" / "mine").read_text() == str(i)
 ''')
