@@ -29,9 +29,9 @@ class Limits:
     # to the same cgroup, so that cgroup's limit adds the disk's size (``cgroups.create``).
     memory_mb: int = 2048
     # A guest's CPUs on every backend (``cpus`` overrides it everywhere): a microVM's vCPUs, a
-    # namespace guest's cgroup quota. Two, as the common CI runner and sandbox have: one left a
-    # guest's own build, and copy_in's writers, no core but the one running them; the host's
-    # cores less one gave the same test one CPU here and fifteen there.
+    # namespace guest's cgroup quota. Two, as the common CI runner and sandbox have. The host's
+    # cores less one, the namespace default before, gave the same test one CPU on a 2-core
+    # runner and fifteen on a workstation.
     cpus: int = 2
     disk_mb: int = 2048  # a namespace guest's tmpfs disk; filling it is ENOSPC, not a kill for memory
 
