@@ -276,7 +276,7 @@ def test_every_outcome_among_many_destroys_its_own_guest(pytester: pytest.Pytest
     for line in ("PASSED *test_passes", "PASSED *test_outlives_the_others",
                  "ERROR *test_errors - RuntimeError: this fixture broke",
                  "FAILED *test_fails - AssertionError: its own failure",
-                 "FAILED *test_times_out - Failed: Timeout (>3s) from pytest-time*",
+                 "FAILED *test_times_out - Failed: Timeout (>3.0s) from pytest-ti*",
                  "FAILED *test_cancelled - *CancelledError"):
         result.stdout.fnmatch_lines([line])
     assert_host_clean(smol_state)

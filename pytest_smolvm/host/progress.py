@@ -39,6 +39,12 @@ def set_sink(sink: Sink | None) -> None:
     _sink = sink
 
 
+def keep(line: str) -> None:
+    """A line for the run's summary (once, however often it is kept), like a long work's last."""
+    if _finished is not None and line not in _finished:
+        _finished.append(line)
+
+
 def reset() -> None:
     global _finished
     set_sink(_stderr)

@@ -8,31 +8,37 @@ pytest-asyncio turns its tests into plain functions at collection), and before p
 default, which would fail the test.
 
 Under ``--smol-concurrency`` the body has already run as a task (concurrency.py) when the call
-phase comes: :data:`REPLAY_KEY` holds its outcome, which the call phase replays so that pytest
-reports it as its own.
+phase comes: :data:`REPLAY_KEY` holds what it printed, warned and logged, and its outcome, which
+the call phase replays so that pytest reports them as its own (body_context.py).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+if TYPE_CHECKING:
+    pass
+
 GUEST_FIXTURES = frozenset({"smol_vm", "smol_vm_factory", "smol_episode"})
-REPLAY_KEY = pytest.StashKey["BaseException | None"]()  # a concurrent body's outcome: None = it returned
+REPLAY_KEY = pytest.StashKey["BodyContext"]()  # a concurrent body, run to its end
 
 
 def run(item: pytest.Function) -> bool | None:
     """Run ``item`` on a fresh asyncio loop if it is an async guest test; True when it ran."""
     if REPLAY_KEY in item.stash:
-        outcome = item.stash[REPLAY_KEY]
-        if outcome is not None:
-            raise outcome
+        body = item.stash[REPLAY_KEY]
+        body.replay()
+        if body.outcome is not None:
+            raise body.outcome
         return True
     if not inspect.iscoroutinefunction(item.obj) or not GUEST_FIXTURES & set(item.fixturenames):
         return None
-    arguments: dict[str, Any] = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    from pytest_smolvm.plugin import internals
+
+    arguments: dict[str, Any] = internals.test_arguments(item)
     import asyncio  # here: a concurrent replay, above, never needs a loop of its own
 
     asyncio.run(item.obj(**arguments))

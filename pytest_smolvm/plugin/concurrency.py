@@ -10,17 +10,29 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
   flight, and before it returns for the last of a run of items that may share the loop (the
   next is not eligible, or needs other parents or higher-scoped parameters, or there is none)
   it runs everything in flight to the end.
-- The phases stay pytest's own (``call_and_report``), each run whole on the loop's thread.
-  pytest's fixture machinery holds one item's function-scoped state at a time (SetupState's
-  stack, each FixtureDef's cached value and finalizers), so an item's share is put aside right
-  after its setup and put back right before its teardown (:func:`detach`, :func:`attach`).
-- The body runs as a task; its outcome is replayed in the call phase (async_tests.py), so pytest
-  builds the report (traceback, xfail, timeouts) as for any test; its duration is the body's.
+- The phases stay pytest's own, each run whole on the loop's thread: the runtest hook inside
+  ``pytest.CallInfo.from_call``, the report from ``pytest_runtest_makereport`` (so the skipping
+  plugin's xfail handling and every plugin's wrappers apply), each phase inside the item's own
+  warnings context. pytest's fixture machinery holds one item's function-scoped state at a time
+  (SetupState's stack, each FixtureDef's cached value and finalizers, the capture fixture), so an
+  item's share is put aside right after its setup and put back right before its next phase
+  (:func:`detach`, :func:`attach`).
+- The body runs as a task, with the test's own output, warnings and log records in place for
+  each of its steps (body_context.py); its outcome, whatever it is (``pytest.skip``, ``xfail``,
+  ``fail``, ``exit``, an assertion, a ``BaseException``), is replayed in the call phase
+  (async_tests.py), so pytest builds the report as for any test; its duration is the body's.
 - Guests are made before setup on threads of their own (premade.py): creates overlap. While N
   run, the next guests are made ahead, as many as free up while one is made (slots.py).
 - pytest-timeout's timer would time the hand-off, not the test: its ``pytest_timeout_set_timer``
-  hook is taken over and the body's task bounded instead; at expiry the task is cancelled
-  (which kills its guest commands) and the test fails with pytest-timeout's message.
+  hook is taken over, and the item's own budget is kept instead, as pytest-timeout means it:
+  setup, body and teardown together (the body alone with ``func_only``). A phase on the loop's
+  thread is bounded by pytest-timeout's own expiry (signal or thread method); the body, at
+  expiry, is cancelled (which kills its guest commands) and fails with pytest-timeout's words.
+  A test's own ``TimeoutError`` is its own failure; without pytest-timeout nothing is bounded
+  but what the test bounds.
+- Tests that need what one process cannot give each of several tests at once run one at a
+  time, and the run says so once: ``capfd`` (file descriptors are the process's), a test
+  pytest-rerunfailures may re-run, and a test an async plugin (pytest-asyncio, anyio) claims.
 - Ctrl-C (SIGTERM, SIGHUP) cancels every task in flight and tears each item down (fixtures,
   guest) before the interrupt goes on; no report is made for them, as pytest makes none for
   the test it interrupts.
@@ -28,17 +40,19 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
 
 from __future__ import annotations
 
+import bdb
 import inspect
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
-from _pytest.runner import call_and_report
 
-from pytest_smolvm.plugin import premade
+from pytest_smolvm.host import progress
+from pytest_smolvm.plugin import internals, premade
 from pytest_smolvm.plugin.async_tests import GUEST_FIXTURES, REPLAY_KEY
+from pytest_smolvm.plugin.body_context import BodyContext
 from pytest_smolvm.plugin.item_state import Detached, attach, detach, group_key
 from pytest_smolvm.plugin.slots import Pace, Slots
 
@@ -52,6 +66,7 @@ ABORT_SECONDS = 60.0  # for tasks to unwind after Ctrl-C; guests left then are t
 MARKER_KEYWORD = "concurrency"
 _TAKES_KEY = pytest.StashKey[int]()  # the item's concurrency limit; 1 = not ours
 _TIMES_KEY = pytest.StashKey[tuple[float, float]]()  # the body's start (epoch) and duration
+_FD_CAPTURE = frozenset({"capfd", "capfdbinary"})
 
 
 def marker_limit(item: pytest.Item) -> int | None:
@@ -67,12 +82,13 @@ def marker_limit(item: pytest.Item) -> int | None:
 @dataclass(eq=False)
 class _Flight:
     item: pytest.Function
-    timeout: float | None
+    timeout: Any  # pytest-timeout's settings for the item, or None
     task: asyncio.Task[None] | None = None
     detached: Detached | None = None
     interrupted: bool = False
     premade: premade.Premade | None = None
-    outcome: BaseException | None = None
+    deadline: float | None = None  # monotonic: the end of the item's pytest-timeout budget
+    timed_out: bool = False
 
 
 class ConcurrentRunner:
@@ -88,13 +104,15 @@ class ConcurrentRunner:
         self.upcoming: pytest.Item | None = None  # the next item, when it joins those in flight
         self.final: pytest.Item | None = None  # while draining: the item pytest runs next
         self.setups: dict[tuple[Any, ...], BaselineSetup | None] = {}
-        self.timeouts: dict[pytest.Item, float] = {}
         self.failure: BaseException | None = None
         self.premades: list[premade.Premade] = []
-        self._worker: Any = None  # xdist's WorkerInteractor, in a worker
+        self._worker: Any = internals.xdist_worker(config)
+        self._reraise: tuple[type[BaseException], ...] = (pytest.exit.Exception,) + (
+            () if config.getoption("usepdb", False) else (KeyboardInterrupt,))
         self._indices: dict[int, int] = {}
         self.pace = Pace()
         self.slots = Slots()  # held from a test's setup to the end of its teardown
+        self._in_phase: _Flight | None = None  # whose phase runs now, on the loop's thread
 
     # -------------------------------------------------------------- which items
 
@@ -106,17 +124,41 @@ class ConcurrentRunner:
         return known if known > 1 else 0
 
     def _limit(self, item: pytest.Item) -> int:
-        if type(item) is not pytest.Function or not inspect.iscoroutinefunction(item.obj):
+        if not isinstance(item, pytest.Function) or not GUEST_FIXTURES & set(item.fixturenames):
             return 0
-        if not GUEST_FIXTURES & set(item.fixturenames) or "anyio_backend" in item.fixturenames:
-            return 0  # anyio (and pytest-asyncio, below) run the tests they claim, one at a time
-        if item.get_closest_marker("anyio") or item.get_closest_marker("asyncio"):
+        limit = marker_limit(item)
+        limit = limit if limit is not None else self.limit
+        if limit <= 1:
+            return 0
+        if type(item) is not pytest.Function or not inspect.iscoroutinefunction(item.obj):
+            if inspect.iscoroutinefunction(getattr(item, "function", None)):
+                self._one_at_a_time(f"{type(item).__module__.split('.')[0]} runs its async tests itself "
+                                    "(pytest-asyncio in auto mode claims every one: set asyncio_mode = strict "
+                                    "and leave guest tests unmarked)")
+            return 0
+        if "anyio_backend" in item.fixturenames or item.get_closest_marker("anyio"):
+            self._one_at_a_time("anyio's plugin runs the tests marked anyio (or using anyio_backend) itself: "
+                                "leave guest tests unmarked")
+            return 0
+        if item.get_closest_marker("asyncio"):
+            self._one_at_a_time("a test marked asyncio is pytest-asyncio's to run (its loop_scope included): "
+                                "leave guest tests unmarked")
+            return 0
+        if _FD_CAPTURE & set(item.fixturenames):
+            self._one_at_a_time("capfd and capfdbinary capture the process's file descriptors, which "
+                                "concurrent tests share: use capsys")
+            return 0
+        if item.config.pluginmanager.hasplugin("rerunfailures") and (
+                item.get_closest_marker("flaky") or item.config.getoption("reruns", 0)):
+            self._one_at_a_time("pytest-rerunfailures re-runs a test's whole protocol itself")
             return 0
         option = item.config.option
         if option.usepdb or getattr(option, "trace", False) or option.setuponly or option.setupplan:
             return 0  # a debugger or a setup-only run wants pytest's own order
-        limit = marker_limit(item)
-        return limit if limit is not None else self.limit
+        return limit
+
+    def _one_at_a_time(self, why: str) -> None:
+        progress.keep(f"smolvm: --smol-concurrency: some guest tests ran one at a time: {why}")
 
     # -------------------------------------------------------------- hooks
 
@@ -150,14 +192,18 @@ class ConcurrentRunner:
 
     @pytest.hookimpl(tryfirst=True, optionalhook=True)
     def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
-        if not self.takes(item):
-            return None
-        self.timeouts[item] = float(settings.timeout)
-        return True
+        return True if self.takes(item) else None  # the item's budget is kept by the runner
 
     @pytest.hookimpl(tryfirst=True, optionalhook=True)
     def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
-        return True if self.takes(item) else None
+        if not self.takes(item):
+            return None
+        phase = self._in_phase
+        if phase is not None and phase.item is item:
+            # pytest-timeout cancels on a failure (pytest_exception_interact): the budget is spent
+            # once, and a teardown after a failed setup or call is not bounded, as serially
+            phase.deadline = None
+        return True
 
     def pytest_sessionfinish(self) -> None:
         for made in self.premades:  # a create still under way must end before the pool closes
@@ -207,7 +253,7 @@ class ConcurrentRunner:
         if session.shouldfail or session.shouldstop:
             self._drain(nextitem)  # a -x failure met while waiting: this one is not started
             return
-        flight = _Flight(item, self.timeouts.pop(item, None))
+        flight = _Flight(item, internals.timeout_settings(item))
         self.flights[item] = flight
         flight.task = self._loop().create_task(self._episode(flight))
         if (nextitem is not None and not (session.shouldfail or session.shouldstop)
@@ -256,18 +302,18 @@ class ConcurrentRunner:
         item = flight.item
         finished = False
         try:
-            if hasattr(item, "_request") and not item._request:
-                item._initrequest()  # a re-run (pytest-rerunfailures), as pytest's runtestprotocol does
+            internals.begin_protocol(item)
             await self._provision(flight)
             await self.slots.take(self._loop(), self.takes(item), flight)
             if item.session.shouldfail or item.session.shouldstop:
                 return  # a -x failure met while its guest was made ahead: this one is not started
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
             holding = time.monotonic()
+            if flight.timeout is not None and not flight.timeout.func_only:
+                flight.deadline = holding + flight.timeout.timeout  # setup, body and teardown
             report = self._phase(flight, "setup")
             if report.passed:
-                await self._body(flight)
-                item.stash[REPLAY_KEY] = flight.outcome
+                item.stash[REPLAY_KEY] = await self._body(flight)
                 self._phase(flight, "call")
             self._phase(flight, "teardown", nextitem=self._next_after(item))
             self.pace.held(time.monotonic() - holding)
@@ -285,9 +331,7 @@ class ConcurrentRunner:
                 flight.premade.abandon()  # a guest nobody took (the test did not use smol_vm)
             if REPLAY_KEY in item.stash:
                 del item.stash[REPLAY_KEY]
-            if hasattr(item, "_request"):
-                item._request = False  # type: ignore[assignment]  # as pytest's runtestprotocol does
-                item.funcargs = None  # type: ignore[assignment]
+            internals.end_protocol(item)
             if finished:
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
@@ -325,61 +369,98 @@ class ConcurrentRunner:
             return
         self.premades = [p for p in self.premades if not p.done.is_set()]
         self.premades.append(flight.premade)
-        await ready
-        self.pace.made(time.monotonic() - asked)
+        if flight.timeout is not None and not flight.timeout.func_only:
+            import asyncio
 
-    def _phase(self, flight: _Flight, when: str, **kwds: Any) -> pytest.TestReport:
+            # a create that hangs is the setup's to report: it waits for it under the item's budget
+            await asyncio.wait({ready}, timeout=flight.timeout.timeout)
+        else:
+            await ready
+        if ready.done():
+            self.pace.made(time.monotonic() - asked)
+
+    def _phase(self, flight: _Flight, when: Literal["setup", "call", "teardown"], **kwds: Any) -> pytest.TestReport:
+        """One phase of ``flight``'s item, as pytest's runner makes it, in the item's own contexts."""
         item = flight.item
         if flight.detached is not None:
             attach(item, flight.detached)
             flight.detached = None
-        worker, current = self._xdist_worker(), None
-        if worker is not None:
-            # xdist's worker labels each report with the index of the test it is running and
-            # checks that the report is that test's: while this item's phase runs, it is.
-            current, worker.item_index = worker.item_index, self._index(item)
+        hook = getattr(item.ihook, f"pytest_runtest_{when}")
+        self._in_phase = flight
         try:
-            return call_and_report(item, when, **kwds)  # type: ignore[arg-type]
+            with internals.reporting_as(self._worker, self._index(item)), internals.item_warnings(item):
+                call = pytest.CallInfo.from_call(lambda: self._bounded(flight, lambda: hook(item=item, **kwds)),
+                                                 when=when, reraise=self._reraise)
+                report: pytest.TestReport = item.ihook.pytest_runtest_makereport(item=item, call=call)
+                item.ihook.pytest_runtest_logreport(report=report)
+                if _interactive(call, report):
+                    item.ihook.pytest_exception_interact(node=item, call=call, report=report)
+            return report
         finally:
-            if worker is not None:
-                worker.item_index = current
+            self._in_phase = None
             if when == "setup" and self.key is not None and premade.SETUP_KEY in item.stash:
                 self.setups.setdefault(self.key, item.stash[premade.SETUP_KEY])
             if when != "teardown":
                 flight.detached = detach(item)
 
-    def _xdist_worker(self) -> Any:
-        if self._worker is None and hasattr(self.config, "workerinput"):
-            self._worker = next((p for p in self.config.pluginmanager.get_plugins()
-                                 if type(p).__name__ == "WorkerInteractor"), False)
-        return self._worker or None
+    @staticmethod
+    def _bounded(flight: _Flight, phase: Callable[[], object]) -> object:
+        """``phase()`` within what is left of the item's pytest-timeout budget, if it has one."""
+        if flight.deadline is None:
+            return phase()
+        with internals.timeout_alarm(flight.item, flight.timeout, flight.deadline - time.monotonic()):
+            return phase()
 
     def _index(self, item: pytest.Item) -> int:
         if not self._indices:
             self._indices = {id(each): i for i, each in enumerate(item.session.items)}
         return self._indices[id(item)]
 
-    async def _body(self, flight: _Flight) -> None:
+    async def _body(self, flight: _Flight) -> BodyContext:
+        """The test function, as a task with its own output, warnings and logs (body_context.py);
+        whatever it ends with is its outcome, replayed in its call phase."""
         import asyncio
+        import warnings
 
         item = flight.item
-        arguments = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+        loop = self._loop()
+        with internals.item_warnings(item):
+            filters = list(warnings.filters)  # the item's own, as its call phase would have them
+        context = BodyContext(item, flight.detached.capture if flight.detached else None, filters)
+        coroutine = item.obj(**internals.test_arguments(item))
         started, clock = time.time(), time.perf_counter()
-        body: Coroutine[Any, Any, Any] = item.obj(**arguments)
+        if flight.timeout is not None and flight.timeout.func_only:
+            flight.deadline = time.monotonic() + flight.timeout.timeout  # the body alone
+
+        async def outcome() -> BaseException | None:
+            try:
+                await context.run(coroutine)
+            except BaseException as exc:  # pytest.skip/fail/xfail/exit, KeyboardInterrupt...: the test's own
+                return exc
+            return None
+
+        body = loop.create_task(outcome())
+        timer = None
+        if flight.deadline is not None:
+            def expire() -> None:
+                flight.timed_out = True
+                body.cancel()  # which kills its guest commands (handle/aio.py)
+            timer = loop.call_later(flight.deadline - time.monotonic(), expire)
         try:
-            await asyncio.wait_for(body, flight.timeout)
-        except asyncio.TimeoutError:
-            flight.outcome = pytest.fail.Exception(
-                f"Timeout (>{flight.timeout:g}s) from pytest-timeout: the test's task was cancelled and its "
-                "guest commands killed (pytest-smolvm --smol-concurrency)", pytrace=False)
-        except asyncio.CancelledError as exc:
-            if flight.interrupted:
+            try:
+                await asyncio.wait({body})
+            except asyncio.CancelledError:  # the runner's abort (Ctrl-C): the body unwinds first
+                body.cancel()
+                await asyncio.wait({body}, timeout=ABORT_SECONDS)
                 raise
-            flight.outcome = exc  # the test's own code was cancelled: its failure, nobody else's
-        except Exception as exc:
-            flight.outcome = exc
         finally:
+            if timer is not None:
+                timer.cancel()
             item.stash[_TIMES_KEY] = (started, time.perf_counter() - clock)
+            if flight.timeout is not None and flight.timeout.func_only:
+                flight.deadline = None
+        context.outcome = internals.timeout_failure(flight.timeout) if flight.timed_out else body.result()
+        return context
 
     def _teardown_quietly(self, flight: _Flight) -> None:
         """After an interrupt: the item's finalizers (its fixtures, its guest), no report."""
@@ -387,14 +468,20 @@ class ConcurrentRunner:
         if flight.detached is not None:
             attach(item, flight.detached)
             flight.detached = None
-        state = item.session._setupstate
-        if item not in state.stack:
+        if item not in internals.setup_stack(item.session):
             return
         others = [other for other in self.flights if other is not item]
         try:
-            state.teardown_exact(others[0] if others else None)
+            internals.teardown_exact(item.session, others[0] if others else None)
         except BaseException as exc:  # the interrupt goes on; the pool destroys what is left
             import warnings
 
             warnings.warn(pytest.PytestWarning(f"pytest-smolvm: tearing down {item.nodeid} after an "
                                                f"interrupt: {type(exc).__name__}: {exc}"), stacklevel=1)
+
+
+def _interactive(call: pytest.CallInfo[object], report: pytest.TestReport) -> bool:
+    """Whether pytest would call ``pytest_exception_interact`` (--pdb, pytest-timeout's cancel)."""
+    if call.excinfo is None or hasattr(report, "wasxfail"):
+        return False
+    return not isinstance(call.excinfo.value, (pytest.skip.Exception, bdb.BdbQuit))

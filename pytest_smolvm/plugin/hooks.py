@@ -208,7 +208,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     kept = [r for r in records() if r.kept and r.run_id == run.run_id]
     problems: list[str] = config.stash[PROBLEMS_KEY]
     lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
-                                    problems=problems, work=[*progress.finished(), *config.stash[WORK_KEY]])
+                                    problems=problems, work=list(dict.fromkeys([*progress.finished(),
+                                                                            *config.stash[WORK_KEY]])))
     found = xdist.controller(config)
     from pytest_smolvm.plugin import reporting
 

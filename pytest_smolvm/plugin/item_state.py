@@ -7,8 +7,8 @@ right after an item's setup it puts the item's share aside (:func:`detach`: pyte
 as if the item had not started) and puts it back right before the item's next phase
 (:func:`attach`). Phases never overlap (one thread), so at most one item's share is in place.
 
-These are pytest internals (``Session._setupstate``, ``FixtureDef._finalizers``,
-``Function._fixtureinfo``), stable since pytest 8.0; tests/test_concurrency.py runs them.
+pytest's capture manager likewise holds the one ``capsys``-like fixture of the item set up
+last; it is put aside and back with the rest. The internals are read through internals.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from pytest_smolvm.plugin import internals
+
 
 @dataclass
 class Detached:
@@ -25,35 +27,42 @@ class Detached:
 
     entry: Any = None  # its SetupState stack entry (finalizers, setup error), if it was pushed
     fixtures: list[tuple[Any, Any, list[Any]]] = field(default_factory=list)
-
-
-def _function_fixturedefs(item: pytest.Item) -> list[Any]:
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    return [fd for chain in info.name2fixturedefs.values() for fd in chain if fd.scope == "function"]
+    capture: Any = None  # its capsys/capsysbinary fixture, which the capture manager held
 
 
 def detach(item: pytest.Item) -> Detached:
     """Put ``item``'s state aside: pytest then looks as if the item had not been set up."""
-    stack = item.session._setupstate.stack
+    stack = internals.setup_stack(item.session)
     detached = Detached()
     if stack and next(reversed(stack)) is item:
         detached.entry = stack.pop(item)
-    for fixturedef in _function_fixturedefs(item):
-        detached.fixtures.append((fixturedef, fixturedef.cached_result, list(fixturedef._finalizers)))
+    for fixturedef in internals.function_fixturedefs(item):
+        finalizers = internals.fixture_finalizers(fixturedef)
+        detached.fixtures.append((fixturedef, fixturedef.cached_result, list(finalizers)))
         fixturedef.cached_result = None
-        fixturedef._finalizers.clear()
+        finalizers.clear()
+    detached.capture = own_capture_fixture(item)
+    if detached.capture is not None:
+        internals.set_capture_fixture(item.config, None)
     return detached
 
 
 def attach(item: pytest.Item, detached: Detached) -> None:
     """Put back what :func:`detach` put aside (no other item's state is in place then)."""
     if detached.entry is not None:
-        item.session._setupstate.stack[item] = detached.entry
+        internals.setup_stack(item.session)[item] = detached.entry
     for fixturedef, cached, finalizers in detached.fixtures:
         fixturedef.cached_result = cached
-        fixturedef._finalizers[:] = finalizers
+        internals.fixture_finalizers(fixturedef)[:] = finalizers
+    if detached.capture is not None:
+        internals.set_capture_fixture(item.config, detached.capture)
+
+
+def own_capture_fixture(item: pytest.Item) -> Any:
+    """The capture fixture the capture manager holds, if it is ``item``'s (it is set up)."""
+    fixture = internals.capture_fixture(item.config)
+    funcargs = getattr(item, "funcargs", None) or {}
+    return fixture if fixture is not None and any(value is fixture for value in funcargs.values()) else None
 
 
 def group_key(item: pytest.Item) -> tuple[Any, ...]:
@@ -63,9 +72,8 @@ def group_key(item: pytest.Item) -> tuple[Any, ...]:
     callspec = getattr(item, "callspec", None)
     shared: list[tuple[str, int]] = []
     if callspec is not None:
-        defs = item._fixtureinfo.name2fixturedefs  # type: ignore[attr-defined]
+        defs = internals.shared_fixturedefs(item)
         for name, index in callspec.indices.items():
-            chain = defs.get(name, ())
-            if chain and chain[-1].scope != "function":
+            if name in defs and defs[name].scope != "function":
                 shared.append((name, index))
     return tuple(item.listchain()[:-1]), tuple(sorted(shared))

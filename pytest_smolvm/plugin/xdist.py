@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_smolvm.errors import SmolVMError
+from pytest_smolvm.plugin import internals
 
 if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
@@ -111,8 +112,7 @@ class Controller:
         in flight it reports only the one it had not yet seen start; the others had no report at
         all (no terminal line, no JUnit entry, no results line)."""
         lost = self._in_flight.pop(_worker_id(node) or "", {})
-        scheduler = getattr(self.config.pluginmanager.get_plugin("dsession"), "sched", None)
-        not_started = _not_seen_started(scheduler, node)
+        not_started = internals.not_seen_started(self.config, node)
         for nodeid, location in lost.items():
             if nodeid in not_started:
                 continue  # xdist reports it (the first of them) or runs it elsewhere
@@ -167,15 +167,3 @@ def _worker_id(node: Any) -> str | None:
     """xdist's id of a worker ("gw0") from its WorkerController, as reports carry it."""
     found = getattr(getattr(node, "gateway", None), "id", None)
     return found if isinstance(found, str) else None
-
-
-def _not_seen_started(scheduler: Any, node: Any) -> set[str]:
-    """The tests xdist handed ``node`` and has not seen start, in the shapes its schedulers keep:
-    ``node2pending`` (indices into the collection: load, worksteal, each) or ``assigned_work``
-    (per scope, each test and whether it is done: loadscope, loadfile, loadgroup)."""
-    pending = getattr(scheduler, "node2pending", {}).get(node)
-    if pending is not None:
-        collection = getattr(scheduler, "node2collection", {}).get(node) or getattr(scheduler, "collection", None) or []
-        return {collection[index] for index in pending if index < len(collection)}
-    work = getattr(scheduler, "assigned_work", {}).get(node, {})
-    return {nodeid for unit in work.values() for nodeid, done in unit.items() if not done}

@@ -1,0 +1,155 @@
+"""A concurrent test body's own output, warnings and log records, as pytest gives a serial call.
+
+Under ``--smol-concurrency`` many test bodies run as tasks on one event loop, outside any pytest
+phase, and each is replayed later in its own call phase (concurrency.py). What a body prints,
+warns and logs must be that test's alone, and reach its report as if the call phase had seen
+it. So each body runs *stepped*: every time the event loop resumes it, until it yields again,
+the process's global state is the test's own, the way pytest sets it for a call phase:
+
+- ``sys.stdout``/``sys.stderr`` write to the test's buffers (or to its ``capsys`` capture, which
+  is resumed for the step), unless capture is off (``-s``);
+- the warnings filters are the test's (``-W``, ini, its ``filterwarnings`` marks: read in its own
+  protocol context when it was started), and what they let through is kept for the test;
+- the root logger has the test's ``caplog`` handler (a fresh one, as a call phase gets) and a
+  handler that keeps every record for the report, at the level pytest sets for a phase.
+
+Between steps everything is put back, so another test's step, or pytest itself, sees its own.
+:meth:`BodyContext.replay` then hands what was kept to the call phase while pytest's capture,
+warnings and logging contexts for that phase are in place: the report's sections, the warnings
+summary and ``caplog.get_records("call")`` read as for a serial run. What cannot be told apart
+inside one process, output written to the file descriptors themselves (``capfd``, a child
+process's output), is not attributed: such tests run one at a time (concurrency.py).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+import warnings
+from collections.abc import Coroutine, Generator
+from typing import Any, TypeVar
+
+import pytest
+
+from pytest_smolvm.plugin import internals
+
+T = TypeVar("T")
+
+
+class _Keep(logging.Handler):
+    """Keeps every record that reaches the root logger during the body's steps."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class BodyContext:
+    """One concurrent test's state, in place while its body runs and replayed in its call phase."""
+
+    def __init__(self, item: pytest.Item, capture_fixture: Any, filters: list[Any]) -> None:
+        self.capturing = item.config.getoption("capture", "fd") != "no"
+        self.stdout, self.stderr = io.StringIO(), io.StringIO()
+        self.capture_fixture = capture_fixture
+        self._capture_started = False
+        self.filters = filters  # the test's own, read inside its warnings context
+        self.warnings: list[warnings.WarningMessage] = []
+        self.level = internals.log_level(item.config)
+        self.kept = _Keep()
+        self.caplog = internals.fresh_caplog_handler(item)
+        if self.level is not None:
+            self.caplog.setLevel(self.level)
+        self._present = frozenset(logging.getLogger().handlers)  # the run's own: they see records live
+        self.outcome: BaseException | None = None  # how the body ended: None = it returned
+
+    def _warned(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                file: Any = None, line: str | None = None) -> None:
+        self.warnings.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+    def _enter(self) -> tuple[Any, ...]:
+        root = logging.getLogger()
+        saved = (sys.stdout, sys.stderr, warnings.catch_warnings(), root.level)
+        saved[2].__enter__()
+        warnings.filters[:] = self.filters  # type: ignore[index]  # a list at run time
+        warnings.showwarning = self._warned
+        if self.capturing:
+            sys.stdout, sys.stderr = self.stdout, self.stderr
+            if self.capture_fixture is not None:  # started on the first step, as a call phase starts it
+                internals.capture_on(self.capture_fixture, first=not self._capture_started)
+                self._capture_started = True
+        root.addHandler(self.kept)
+        root.addHandler(self.caplog)
+        if self.level is not None and root.level > self.level:
+            root.setLevel(self.level)
+        return saved
+
+    def _exit(self, saved: tuple[Any, ...]) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self.caplog)
+        root.removeHandler(self.kept)
+        if self.level is not None and root.level == self.level:
+            root.setLevel(saved[3])
+        if self.capturing and self.capture_fixture is not None:
+            internals.capture_off(self.capture_fixture)
+        sys.stdout, sys.stderr = saved[0], saved[1]
+        saved[2].__exit__(None, None, None)
+
+    async def run(self, body: Coroutine[Any, Any, T]) -> T:
+        """Await ``body`` with this test's state in place for each of its steps."""
+        try:
+            result: T = await _Stepped(body, self)
+        finally:
+            if self._capture_started:  # closed as a call phase closes it: unread output is the test's
+                saved = self._enter()
+                try:
+                    internals.capture_close(self.capture_fixture)
+                finally:
+                    self._exit(saved)
+        return result
+
+    def replay(self) -> None:
+        """In the test's call phase: its output, warnings and log records, as if made there."""
+        if self.capturing:
+            sys.stdout.write(self.stdout.getvalue())
+            sys.stderr.write(self.stderr.getvalue())
+        for message in self.warnings:
+            warnings.showwarning(message.message, message.category, message.filename, message.lineno,
+                                 message.file, message.line)
+        phase_handlers = [h for h in logging.getLogger().handlers if h not in self._present]
+        for record in self.kept.records:
+            for handler in phase_handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+
+
+class _Stepped:
+    """Awaits a coroutine one step at a time, with its test's state in place for each step."""
+
+    def __init__(self, body: Coroutine[Any, Any, Any], context: BodyContext) -> None:
+        self.body = body
+        self.context = context
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        body, context = self.body, self.context
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            saved = context._enter()
+            try:
+                yielded = body.send(value) if error is None else body.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                context._exit(saved)
+            error = None
+            try:
+                value = yield yielded
+            except GeneratorExit:
+                body.close()
+                raise
+            except BaseException as exc:  # thrown in by the task (its cancellation): the body's to handle
+                value, error = None, exc
