@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    pass
+    from pytest_smolvm.plugin.body_context import BodyContext  # noqa: F401  # named in REPLAY_KEY's type
 
 GUEST_FIXTURES = frozenset({"smol_vm", "smol_vm_factory", "smol_episode"})
 REPLAY_KEY = pytest.StashKey["BodyContext"]()  # a concurrent body, run to its end
