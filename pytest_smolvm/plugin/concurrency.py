@@ -444,6 +444,8 @@ class ConcurrentRunner:
         if flight.deadline is not None:
             def expire() -> None:
                 flight.timed_out = True
+                if context.capturing:
+                    internals.timeout_dump(context.stdout)
                 body.cancel()  # which kills its guest commands (handle/aio.py)
             timer = loop.call_later(flight.deadline - time.monotonic(), expire)
         try:

@@ -79,7 +79,7 @@ def verify(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("timeout"):
         import pytest_timeout
 
-        for name in ("_get_item_settings", "timeout_sigalrm", "timeout_timer"):
+        for name in ("_get_item_settings", "timeout_sigalrm", "timeout_timer", "dump_stacks"):
             if not hasattr(pytest_timeout, name):
                 raise _changed("pytest-timeout", name)
     if config.pluginmanager.hasplugin("xdist"):
@@ -243,6 +243,21 @@ def timeout_alarm(item: pytest.Item, settings: Any, remaining: float) -> Iterato
         yield
     finally:
         timer.cancel()
+
+
+def timeout_dump(into: Any) -> None:
+    """What pytest-timeout writes at a signal-method expiry (the other threads' stacks), into
+    ``into``: a concurrent body's output, so its report's section reads as a serial one's."""
+    import pytest_timeout
+    from _pytest._io import TerminalWriter
+
+    terminal = TerminalWriter(file=into)
+    several = len(threading.enumerate()) > 1
+    if several:
+        terminal.sep("+", title="Timeout")
+    pytest_timeout.dump_stacks(terminal)
+    if several:
+        terminal.sep("+", title="Timeout")
 
 
 def timeout_failure(settings: Any) -> BaseException:

@@ -1,0 +1,134 @@
+"""Every pytest outcome, in guest tests: run serially, concurrently and under xdist by tests/test_parity.py.
+
+Not collected by the project's own run (its name does not start with ``test_``); the parity
+test copies it into a pytester directory as ``test_corpus.py``.
+"""
+
+import asyncio
+import logging
+import sys
+import time
+import warnings
+
+import pytest
+
+log = logging.getLogger("corpus")
+
+async def test_pass(smol_vm):
+    r = await smol_vm.aio.exec("echo hi")
+    print("out of pass")
+    assert r.stdout == "hi\n"
+
+async def test_assert_fail(smol_vm):
+    r = await smol_vm.aio.exec("echo hi")
+    assert r.stdout == "ho\n"
+
+async def test_skip_inside(smol_vm):
+    await smol_vm.aio.exec("true")
+    pytest.skip("skipped from inside")
+
+async def test_fail_inside(smol_vm):
+    await smol_vm.aio.exec("true")
+    pytest.fail("failed from inside")
+
+async def test_xfail_inside(smol_vm):
+    await smol_vm.aio.exec("true")
+    pytest.xfail("xfailed from inside")
+
+async def test_importorskip(smol_vm):
+    await smol_vm.aio.exec("true")
+    pytest.importorskip("no_such_module_anywhere")
+
+@pytest.mark.skipif(True, reason="skipif true")
+async def test_skipif(smol_vm):
+    pass
+
+@pytest.mark.xfail(strict=True, reason="strict")
+async def test_xpass_strict(smol_vm):
+    await smol_vm.aio.exec("true")
+
+@pytest.mark.xfail(reason="expected")
+async def test_xfail_mark(smol_vm):
+    await smol_vm.aio.exec("true")
+    raise AssertionError("expected to fail")
+
+@pytest.mark.xfail(reason="non strict")
+async def test_xpass(smol_vm):
+    await smol_vm.aio.exec("true")
+
+@pytest.fixture
+def broken_setup():
+    raise RuntimeError("setup broke")
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+
+async def test_setup_error(smol_vm, broken_setup):
+    pass
+
+async def test_teardown_error(smol_vm, broken_teardown):
+    await smol_vm.aio.exec("true")
+
+async def test_warns(smol_vm):
+    await smol_vm.aio.exec("true")
+    warnings.warn("corpus warning", UserWarning, stacklevel=1)
+
+async def test_output_and_log(smol_vm, caplog):
+    caplog.set_level(logging.INFO)
+    print("to stdout")
+    print("to stderr", file=sys.stderr)
+    await smol_vm.aio.exec("true")
+    log.info("an info record")
+    log.warning("a warning record")
+    assert [r.getMessage() for r in caplog.records] == ["an info record", "a warning record"]
+
+async def test_capsys(smol_vm, capsys):
+    print("captured by capsys")
+    await smol_vm.aio.exec("true")
+    print("more")
+    out, _ = capsys.readouterr()
+    assert out == "captured by capsys\nmore\n"
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_param(smol_vm, n, record_property):
+    record_property("n", n)
+    await smol_vm.aio.exec("true")
+    assert n == 1
+
+async def test_own_timeout(smol_vm):
+    await asyncio.wait_for(asyncio.sleep(5), 0.05)
+
+@pytest.fixture
+def slow_setup():
+    time.sleep(3)
+
+@pytest.mark.timeout(1)
+async def test_timeout_setup(smol_vm, slow_setup):
+    pass
+
+@pytest.mark.timeout(1)
+async def test_timeout_body(smol_vm):
+    await smol_vm.aio.exec("sleep 5")
+
+async def test_system_exit_is_a_failure(smol_vm):
+    raise SystemExit(3)
+
+
+@pytest.fixture
+def slowish_setup():
+    time.sleep(1.5)
+
+
+@pytest.mark.timeout(1, func_only=True)
+async def test_func_only_leaves_setup_unbounded(smol_vm, slowish_setup):
+    await smol_vm.aio.exec("true")
+
+
+async def test_duration_is_the_bodys(smol_vm):
+    await asyncio.sleep(0.3)
+
+
+def test_synchronous_guest_test(smol_vm):
+    assert smol_vm.exec("echo sync").stdout == "sync\n"
