@@ -23,9 +23,11 @@ process's output), is not attributed: such tests run one at a time (concurrency.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import sys
+import time
 import warnings
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
@@ -153,3 +155,48 @@ class _Stepped:
                 raise
             except BaseException as exc:  # thrown in by the task (its cancellation): the body's to handle
                 value, error = None, exc
+
+
+async def run_body(item: pytest.Function, capture_fixture: Any, timeout: Any, deadline: float | None,
+                   abort_seconds: float) -> tuple[BodyContext, float, float]:
+    """``item``'s test function as a task of its own, in its own context, to its end; with its
+    start (epoch) and duration. ``timeout``: pytest-timeout's settings, or None; ``deadline``
+    (monotonic) ends its budget, or, with ``func_only``, the body's alone starts it."""
+    with internals.item_warnings(item):
+        filters = list(warnings.filters)  # the item's own, as its call phase would have them
+    context = BodyContext(item, capture_fixture, filters)
+    coroutine = item.obj(**internals.test_arguments(item))
+    started, clock = time.time(), time.perf_counter()
+    if timeout is not None and timeout.func_only:
+        deadline = time.monotonic() + timeout.timeout
+    timed_out = False
+
+    async def outcome() -> BaseException | None:
+        try:
+            await context.run(coroutine)
+        except BaseException as exc:  # pytest.skip/fail/xfail/exit, KeyboardInterrupt...: the test's own
+            return exc
+        return None
+
+    body = asyncio.get_running_loop().create_task(outcome())
+
+    def expire() -> None:
+        nonlocal timed_out
+        timed_out = True
+        if context.capturing:
+            internals.timeout_dump(context.stdout)  # as pytest-timeout's signal method writes it
+        body.cancel()  # which kills its guest commands (handle/aio.py)
+
+    timer = asyncio.get_running_loop().call_later(deadline - time.monotonic(), expire) if deadline else None
+    try:
+        try:
+            await asyncio.wait({body})
+        except asyncio.CancelledError:  # the runner's abort (Ctrl-C): the body unwinds first
+            body.cancel()
+            await asyncio.wait({body}, timeout=abort_seconds)
+            raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    context.outcome = internals.timeout_failure(timeout) if timed_out else body.result()
+    return context, started, time.perf_counter() - clock

@@ -30,9 +30,8 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
   expiry, is cancelled (which kills its guest commands) and fails with pytest-timeout's words.
   A test's own ``TimeoutError`` is its own failure; without pytest-timeout nothing is bounded
   but what the test bounds.
-- Tests that need what one process cannot give each of several tests at once run one at a
-  time, and the run says so once: ``capfd`` (file descriptors are the process's), a test
-  pytest-rerunfailures may re-run, and a test an async plugin (pytest-asyncio, anyio) claims.
+- Which tests run concurrently, and why the others run one at a time (said once in the run's
+  summary), is eligibility.py's.
 - Ctrl-C (SIGTERM, SIGHUP) cancels every task in flight and tears each item down (fixtures,
   guest) before the interrupt goes on; no report is made for them, as pytest makes none for
   the test it interrupts.
@@ -41,7 +40,6 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
 from __future__ import annotations
 
 import bdb
-import inspect
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -50,9 +48,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import pytest
 
 from pytest_smolvm.host import progress
-from pytest_smolvm.plugin import internals, premade
-from pytest_smolvm.plugin.async_tests import GUEST_FIXTURES, REPLAY_KEY
-from pytest_smolvm.plugin.body_context import BodyContext
+from pytest_smolvm.plugin import eligibility, internals, premade
+from pytest_smolvm.plugin.async_tests import REPLAY_KEY
+from pytest_smolvm.plugin.body_context import run_body
 from pytest_smolvm.plugin.item_state import Detached, attach, detach, group_key
 from pytest_smolvm.plugin.slots import Pace, Slots
 
@@ -63,17 +61,8 @@ if TYPE_CHECKING:
     from pytest_smolvm.session.warm import BaselineSetup
 
 ABORT_SECONDS = 60.0  # for tasks to unwind after Ctrl-C; guests left then are the pool's to destroy
-MARKER_KEYWORD = "concurrency"
 _TAKES_KEY = pytest.StashKey[int]()  # the item's concurrency limit; 1 = not ours
 _TIMES_KEY = pytest.StashKey[tuple[float, float]]()  # the body's start (epoch) and duration
-_FD_CAPTURE = frozenset({"capfd", "capfdbinary"})
-
-
-def marker_limit(item: pytest.Item) -> int | None:
-    """``smol_episodes(..., concurrency=N)``, checked at collection (evals/episodes.py)."""
-    mark = item.get_closest_marker("smol_episodes")
-    value = mark.kwargs.get(MARKER_KEYWORD) if mark is not None else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # ---------------------------------------------------------------------- the runner
@@ -88,7 +77,6 @@ class _Flight:
     interrupted: bool = False
     premade: premade.Premade | None = None
     deadline: float | None = None  # monotonic: the end of the item's pytest-timeout budget
-    timed_out: bool = False
 
 
 class ConcurrentRunner:
@@ -124,41 +112,10 @@ class ConcurrentRunner:
         return known if known > 1 else 0
 
     def _limit(self, item: pytest.Item) -> int:
-        if not isinstance(item, pytest.Function) or not GUEST_FIXTURES & set(item.fixturenames):
-            return 0
-        limit = marker_limit(item)
-        limit = limit if limit is not None else self.limit
-        if limit <= 1:
-            return 0
-        if type(item) is not pytest.Function or not inspect.iscoroutinefunction(item.obj):
-            if inspect.iscoroutinefunction(getattr(item, "function", None)):
-                self._one_at_a_time(f"{type(item).__module__.split('.')[0]} runs its async tests itself "
-                                    "(pytest-asyncio in auto mode claims every one: set asyncio_mode = strict "
-                                    "and leave guest tests unmarked)")
-            return 0
-        if "anyio_backend" in item.fixturenames or item.get_closest_marker("anyio"):
-            self._one_at_a_time("anyio's plugin runs the tests marked anyio (or using anyio_backend) itself: "
-                                "leave guest tests unmarked")
-            return 0
-        if item.get_closest_marker("asyncio"):
-            self._one_at_a_time("a test marked asyncio is pytest-asyncio's to run (its loop_scope included): "
-                                "leave guest tests unmarked")
-            return 0
-        if _FD_CAPTURE & set(item.fixturenames):
-            self._one_at_a_time("capfd and capfdbinary capture the process's file descriptors, which "
-                                "concurrent tests share: use capsys")
-            return 0
-        if item.config.pluginmanager.hasplugin("rerunfailures") and (
-                item.get_closest_marker("flaky") or item.config.getoption("reruns", 0)):
-            self._one_at_a_time("pytest-rerunfailures re-runs a test's whole protocol itself")
-            return 0
-        option = item.config.option
-        if option.usepdb or getattr(option, "trace", False) or option.setuponly or option.setupplan:
-            return 0  # a debugger or a setup-only run wants pytest's own order
+        limit, why_not = eligibility.limit(item, self.limit)
+        if why_not is not None:
+            progress.keep(f"smolvm: --smol-concurrency: some guest tests ran one at a time: {why_not}")
         return limit
-
-    def _one_at_a_time(self, why: str) -> None:
-        progress.keep(f"smolvm: --smol-concurrency: some guest tests ran one at a time: {why}")
 
     # -------------------------------------------------------------- hooks
 
@@ -313,7 +270,9 @@ class ConcurrentRunner:
                 flight.deadline = holding + flight.timeout.timeout  # setup, body and teardown
             report = self._phase(flight, "setup")
             if report.passed:
-                item.stash[REPLAY_KEY] = await self._body(flight)
+                capture = flight.detached.capture if flight.detached else None
+                body, started, took = await run_body(item, capture, flight.timeout, flight.deadline, ABORT_SECONDS)
+                item.stash[REPLAY_KEY], item.stash[_TIMES_KEY] = body, (started, took)
                 self._phase(flight, "call")
             self._phase(flight, "teardown", nextitem=self._next_after(item))
             self.pace.held(time.monotonic() - holding)
@@ -415,54 +374,6 @@ class ConcurrentRunner:
         if not self._indices:
             self._indices = {id(each): i for i, each in enumerate(item.session.items)}
         return self._indices[id(item)]
-
-    async def _body(self, flight: _Flight) -> BodyContext:
-        """The test function, as a task with its own output, warnings and logs (body_context.py);
-        whatever it ends with is its outcome, replayed in its call phase."""
-        import asyncio
-        import warnings
-
-        item = flight.item
-        loop = self._loop()
-        with internals.item_warnings(item):
-            filters = list(warnings.filters)  # the item's own, as its call phase would have them
-        context = BodyContext(item, flight.detached.capture if flight.detached else None, filters)
-        coroutine = item.obj(**internals.test_arguments(item))
-        started, clock = time.time(), time.perf_counter()
-        if flight.timeout is not None and flight.timeout.func_only:
-            flight.deadline = time.monotonic() + flight.timeout.timeout  # the body alone
-
-        async def outcome() -> BaseException | None:
-            try:
-                await context.run(coroutine)
-            except BaseException as exc:  # pytest.skip/fail/xfail/exit, KeyboardInterrupt...: the test's own
-                return exc
-            return None
-
-        body = loop.create_task(outcome())
-        timer = None
-        if flight.deadline is not None:
-            def expire() -> None:
-                flight.timed_out = True
-                if context.capturing:
-                    internals.timeout_dump(context.stdout)
-                body.cancel()  # which kills its guest commands (handle/aio.py)
-            timer = loop.call_later(flight.deadline - time.monotonic(), expire)
-        try:
-            try:
-                await asyncio.wait({body})
-            except asyncio.CancelledError:  # the runner's abort (Ctrl-C): the body unwinds first
-                body.cancel()
-                await asyncio.wait({body}, timeout=ABORT_SECONDS)
-                raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-            item.stash[_TIMES_KEY] = (started, time.perf_counter() - clock)
-            if flight.timeout is not None and flight.timeout.func_only:
-                flight.deadline = None
-        context.outcome = internals.timeout_failure(flight.timeout) if flight.timed_out else body.result()
-        return context
 
     def _teardown_quietly(self, flight: _Flight) -> None:
         """After an interrupt: the item's finalizers (its fixtures, its guest), no report."""
