@@ -83,6 +83,7 @@ class ConcurrentRunner:
     """Registered by the plugin in every pytest process that runs tests; idle unless asked."""
 
     def __init__(self, config: pytest.Config, run: SmolRun, limit: int) -> None:
+        internals.verify(config)  # again: smol_episodes(concurrency=) asks without the option
         self.config = config
         self.run = run
         self.limit = limit
@@ -95,8 +96,7 @@ class ConcurrentRunner:
         self.failure: BaseException | None = None
         self.premades: list[premade.Premade] = []
         self._worker: Any = internals.xdist_worker(config)
-        self._reraise: tuple[type[BaseException], ...] = (pytest.exit.Exception,) + (
-            () if config.getoption("usepdb", False) else (KeyboardInterrupt,))
+        self._reraise = (pytest.exit.Exception, *(() if config.getoption("usepdb") else (KeyboardInterrupt,)))
         self._indices: dict[int, int] = {}
         self.pace = Pace()
         self.slots = Slots()  # held from a test's setup to the end of its teardown

@@ -62,6 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         distributed = bool(getattr(config.option, "numprocesses", None))  # -n N: we are xdist's controller
         run = SmolRun(settings, worker="controller" if distributed else "main")
+    if settings.concurrency > 1:  # before a test runs: a pytest that moved an internal is one line
+        from pytest_smolvm.plugin import internals
+
+        internals.verify(config)
     progress.install(config)  # pulling or unpacking a baseline says how far it got
     config.stash[RUN_KEY] = run
     config.stash[PROBLEMS_KEY] = []
