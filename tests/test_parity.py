@@ -10,6 +10,7 @@ report of every mode must equal the serial run's, field by field.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,9 @@ MODES = {
 def _reports(pytester: pytest.Pytester, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], Any]:
     path = pytester.path / f"reports-{mode}.jsonl"
     monkeypatch.setenv("PARITY_REPORTS", str(path))
-    result = pytester.runpytest_subprocess(*MODES[mode], "-p", "no:anyio", "-p", "no:randomly",
-                                           "-p", "no:cacheprovider")
+    # with the plugins the run has (pytest-randomly, pytest-asyncio's strict mode in nox's newest cell)
+    html = [f"--html=report-{mode}.html"] if importlib.util.find_spec("pytest_html") else []
+    result = pytester.runpytest_subprocess(*MODES[mode], "-p", "no:anyio", "-p", "no:cacheprovider", *html)
     assert "INTERNALERROR" not in result.stdout.str(), result.stdout.str()
     found: dict[tuple[str, str], Any] = {}
     for raw in path.read_text().splitlines():

@@ -122,8 +122,15 @@ def fixture_finalizers(fixturedef: Any) -> list[Callable[[], object]]:
 
 
 def test_arguments(item: pytest.Function) -> dict[str, Any]:
-    """The test function's own arguments, from its fixtures, as pytest's pyfunc_call passes them."""
-    return {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    """The test function's own arguments, from its fixtures, as pytest's pyfunc_call passes them
+    (where a pytest keeps no argument names, those of its signature without a default)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        return {name: item.funcargs[name] for name in info.argnames}
+    import inspect
+
+    parameters = inspect.signature(item.obj).parameters.values()
+    return {p.name: item.funcargs[p.name] for p in parameters if p.default is p.empty and p.name in item.funcargs}
 
 
 def begin_protocol(item: pytest.Item) -> None:
