@@ -69,7 +69,7 @@ def _junit_cases(path: Path) -> dict[str, str]:
 def test_each_test_in_flight_is_its_own_item(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile(test_eps=EPISODES)
     junit, results = pytester.path / "junit.xml", pytester.path / "results.jsonl"
-    result = pytester.runpytest_subprocess("--smol-concurrency=4", "-v", "-p", "no:anyio",
+    result = pytester.runpytest_subprocess("--smol-concurrency=4", "-v", "-p", "no:anyio", "-p", "no:randomly",
                                            f"--junitxml={junit}", f"--smol-results={results}")
     result.assert_outcomes(passed=5)
     for i in range(4):  # each its own verbose line, in whatever order they finish
@@ -89,7 +89,7 @@ def test_concurrency_multiplies_with_workers(pytester: pytest.Pytester, smol_sta
     pytester.makepyfile(test_a=EPISODES, test_b=EPISODES)
     results = pytester.path / "results.jsonl"
     result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "--smol-concurrency=4",
-                                           "-p", "no:anyio", f"--smol-results={results}")
+                                           "-p", "no:anyio", "-p", "no:randomly", f"--smol-results={results}")
     result.assert_outcomes(passed=10)
     lines = [json.loads(raw) for raw in results.read_text().splitlines()]
     assert len(lines) == 10 and len({line["worker"] for line in lines}) == 2
@@ -126,7 +126,7 @@ def test_a_run_that_fits_every_workers_slots_starts_every_test_at_once(pytester:
     arrivals = pytester.mkdir("arrivals")
     pytester.makepyfile(test_eps=ACROSS_WORKERS.format(arrivals=str(arrivals)))
     results = pytester.path / "results.jsonl"
-    result = pytester.runpytest_subprocess("-n", "2", "--smol-concurrency=4", "-p", "no:anyio",
+    result = pytester.runpytest_subprocess("-n", "2", "--smol-concurrency=4", "-p", "no:anyio", "-p", "no:randomly",
                                            f"--smol-results={results}")
     result.assert_outcomes(passed=8)
     workers = [json.loads(raw)["worker"] for raw in results.read_text().splitlines()]
@@ -186,7 +186,7 @@ def test_a_chosen_dist_keeps_xdists_scheduling(pytester: pytest.Pytester, smol_s
                            (["-n", "2", "--smol-concurrency=4", "--dist", "load"], "LoadScheduling"),
                            (["-n", "2", "--smol-concurrency=4", "-d"], "LoadScheduling"),
                            (["-n", "2"], "LoadScheduling")]:
-        result = pytester.runpytest_subprocess(*args, "-s", "-p", "no:anyio")
+        result = pytester.runpytest_subprocess(*args, "-s", "-p", "no:anyio", "-p", "no:randomly")
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines([f"SCHEDULER {expected}"])
 
@@ -221,7 +221,7 @@ def test_every_test_in_flight_on_a_crashed_worker_is_reported(pytester: pytest.P
         pytester.makepyfile(test_a=suite, test_b=suite)
         args = ["-n", "2", "--dist", "loadfile"]
     junit, results = pytester.path / "junit.xml", pytester.path / "results.jsonl"
-    result = pytester.runpytest_subprocess(*args, "--smol-concurrency=3", "-p", "no:anyio",
+    result = pytester.runpytest_subprocess(*args, "--smol-concurrency=3", "-p", "no:anyio", "-p", "no:randomly",
                                            f"--junitxml={junit}", f"--smol-results={results}")
     # each report's text (the summary's line reads alike only from pytest 8.1 on)
     crashed = [line for line in result.stdout.lines if line.startswith("worker 'gw0' crashed while")]
@@ -272,12 +272,12 @@ MIXED = BARRIER + """
 
 def test_every_outcome_among_many_destroys_its_own_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile(test_mixed=MIXED)
-    result = pytester.runpytest_subprocess("--smol-concurrency=6", "-rA", "-p", "no:anyio")
+    result = pytester.runpytest_subprocess("--smol-concurrency=6", "-rA", "-p", "no:anyio", "-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=3, errors=1)
     for line in ("PASSED *test_passes", "PASSED *test_outlives_the_others",
                  "ERROR *test_errors - RuntimeError: this fixture broke",
                  "FAILED *test_fails - AssertionError: its own failure",
-                 "FAILED *test_times_out - Failed: Timeout *3.0s*"  # pytest-timeout 2.3 words it without "(" ... ")",
+                 "FAILED *test_times_out - Failed: Timeout *3.0s*",  # pytest-timeout 2.3 words it without "(" ... ")"
                  "FAILED *test_cancelled - *CancelledError"):
         result.stdout.fnmatch_lines([line])
     assert_host_clean(smol_state)
@@ -308,7 +308,8 @@ def _interrupted_when(pytester: pytest.Pytester, marks: Path, args: list[str], r
     """Run pytest in ``pytester.path`` (``MARKS`` set), SIGINT it once ``ready()``; its exit status and output."""
     marks.mkdir()
     env = {**os.environ, "MARKS": str(marks)}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, "-p", "no:anyio", "-p", "no:cacheprovider"],
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, "-p", "no:anyio", "-p", "no:randomly",
+                             "-p", "no:cacheprovider"],
                             cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -348,7 +349,7 @@ def test_bad_concurrency_is_one_line(pytester: pytest.Pytester, smol_state: Path
     """)
     result = pytester.runpytest_subprocess("--smol-concurrency=many")
     result.stderr.fnmatch_lines(["*--smol-concurrency=many: expected a positive integer*"])
-    result = pytester.runpytest_subprocess("-p", "no:anyio")
+    result = pytester.runpytest_subprocess("-p", "no:anyio", "-p", "no:randomly")
     result.stdout.fnmatch_lines(["*smol_episodes(concurrency=0): expected a positive integer*"])
 
 
@@ -364,7 +365,7 @@ def test_exitfirst_finishes_what_is_in_flight_and_starts_nothing(pytester: pytes
                 raise AssertionError("the first failure")
             await smol_vm.aio.exec("sleep 1")
     """)
-    result = pytester.runpytest_subprocess("-x", "-p", "no:anyio")
+    result = pytester.runpytest_subprocess("-x", "-p", "no:anyio", "-p", "no:randomly")
     outcomes = result.parseoutcomes()
     assert outcomes["failed"] == 1 and outcomes.get("passed", 0) < 5, outcomes  # -x stopped the rest
     result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
@@ -394,7 +395,7 @@ def test_guests_are_made_ahead_while_every_slot_is_taken(pytester: pytest.Pytest
             with open({str(events)!r}, "a") as f:
                 f.write(f"end {{smol_episode.index}} {{time.monotonic()}}\\n")
     """)
-    pytester.runpytest_subprocess("-p", "no:anyio").assert_outcomes(passed=8)
+    pytester.runpytest_subprocess("-p", "no:anyio", "-p", "no:randomly").assert_outcomes(passed=8)
     lines = [line.split() for line in events.read_text().splitlines()]
     starts = {name: float(t) for kind, name, t in lines if kind == "start"}
     ends = {name: float(t) for kind, name, t in lines if kind == "end"}
