@@ -118,6 +118,9 @@ def test_every_attempted_episode_is_a_mark_and_failures_are_marked(tmp_path: Pat
     assert 'class="legend"' in ecdf and "fraction ≤ x" in ecdf
     # a kept transcript is one click from the episode's dot
     assert '<a href="art/crashy-ep5/transcript.txt"><circle class="mark episode" data-cause="timeout"' in strip
+    row = next(r for r in page.split("<tr>") if "crashy-ep5" in r and "<td>" in r)  # and from its table row
+    for href in ("art/crashy-ep5/transcript.txt", "art/crashy-ep5/guest-logs.txt", "art/crashy-ep5"):
+        assert f'href="{href}"' in row, href
 
 
 def test_a_histogram_keeps_every_episode_stacked_by_cause(tmp_path: Path) -> None:

@@ -64,8 +64,9 @@ def log_href(line: dict[str, Any], name: str, relative_to: Path | None) -> str |
 
 
 def log_links(line: dict[str, Any], relative_to: Path | None) -> str:
+    """The episode's transcript, guest log and its whole artifacts folder (files/, notes.txt)."""
     links = [f'<a href="{esc(href)}">{label}</a>' for name, label in
-             (("transcript.txt", "transcript"), ("guest-logs.txt", "guest log"))
+             (("transcript.txt", "transcript"), ("guest-logs.txt", "guest log"), ("", "folder"))
              if (href := log_href(line, name, relative_to)) is not None]
     return " ".join(links)
 
