@@ -97,12 +97,12 @@ def group(title: str, lines: Sequence[dict[str, Any]], relative_to: Path | None,
         if len(curve) > 1:
             last = curve[-1]
             facts.append(f"pass@{len(curve)} {last.estimate:.3f} [{last.low:.3f}, {last.high:.3f}]")
-    rewards = [Mark(s, cause(ln), str(ln.get("test", "")), ln.get("reward") is None, log_href(ln, "transcript.txt",
-                                                                                            relative_to))
-               for ln in lines if (s := score(ln)) is not None]
+    def mark(value: float, ln: dict[str, Any], hollow: bool) -> Mark:
+        return Mark(value, cause(ln), str(ln.get("test", "")), hollow, log_href(ln, "transcript.txt", relative_to))
+
+    rewards = [mark(s, ln, ln.get("reward") is None) for ln in lines if (s := score(ln)) is not None]
     attempts = [ln for ln in lines if attempted(ln)]  # a skip's seconds say nothing of the agent
-    durations = [Mark(d, cause(ln), str(ln.get("test", "")), False, log_href(ln, "transcript.txt", relative_to))
-                 for ln in attempts if (d := duration(ln)) is not None]
+    durations = [mark(d, ln, False) for ln in attempts if (d := duration(ln)) is not None]
     plots = [
         svg.curve([Span(p.estimate, p.low, p.high) for p in curve], f"{title}: pass@k", "k", "pass@k"),
         distribution(rewards, f"{title}: reward", "reward", HOLLOW),
