@@ -57,9 +57,9 @@ def _dot(x: float, y: float, mark: Mark, shown: str) -> str:
     return f'<a href="{esc(mark.href)}">{dot}</a>' if mark.href else dot
 
 
-def _cause_keys(marks: Sequence[Mark], hollow_text: str | None) -> list[tuple[str, str, str]]:
+def _cause_keys(marks: Sequence[Mark], hollow_text: str | None, shape: str = "dot") -> list[tuple[str, str, str]]:
     counts = Counter(m.cause for m in marks)
-    keys = [("dot", COLOURS.get(c, INK), f"{c} {counts[c]}") for c in CAUSES if counts[c]]
+    keys = [(shape, COLOURS.get(c, INK), f"{c} {counts[c]}") for c in CAUSES if counts[c]]
     if hollow_text and any(m.hollow for m in marks):
         keys.append(("ring", "#555", hollow_text))
     return keys
@@ -119,7 +119,7 @@ def histogram(marks: Sequence[Mark], title: str, xlabel: str, hollow_text: str, 
                         f'y="{y1:.1f}" width="{max(1.0, x1 - x0 - 1):.1f}" height="{y0 - y1:.1f}" '
                         f'fill="{COLOURS.get(c, INK)}"><title>{count[c]} {esc(c)} in [{esc(_fmt(edges[i]))}, '
                         f"{esc(_fmt(edges[min(i + 1, len(edges) - 1)]))})</title></rect>")
-    keys, used = legend(_cause_keys(marks, None), HEIGHT, WIDTH)
+    keys, used = legend(_cause_keys(marks, None, "box"), HEIGHT, WIDTH)
     if hollow_text and any(m.hollow for m in marks):
         more, extra = legend([("box", "#fff", f"{sum(m.hollow for m in marks)} {hollow_text}")], HEIGHT + used, WIDTH)
         keys, used = keys + more, used + extra
