@@ -15,6 +15,7 @@ import select
 import subprocess
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,49 @@ def _drive(pipe: _Pipe, page: Path, expression: str, screenshot: tuple[int, int]
         elif method == "Network.requestWillBeSent":
             visit.requests.append(str(params.get("request", {}).get("url")))
     return visit
+
+
+def png_colours(data: bytes) -> dict[tuple[int, int, int], int]:
+    """How many pixels of each RGB colour a PNG has: enough to check what a screenshot shows.
+
+    Reads the 8-bit RGB/RGBA, non-interlaced PNGs Chromium writes (stdlib only: zlib, and the
+    five scanline filters of the PNG spec)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    at, chunks, header = 8, [], b""
+    while at < len(data):
+        size = int.from_bytes(data[at:at + 4], "big")
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + size]
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT":
+            chunks.append(body)
+        at += 12 + size
+    width, height = int.from_bytes(header[0:4], "big"), int.from_bytes(header[4:8], "big")
+    depth, colour_type, interlace = header[8], header[9], header[12]
+    assert depth == 8 and colour_type in (2, 6) and interlace == 0, header
+    step = 3 if colour_type == 2 else 4
+    raw = zlib.decompress(b"".join(chunks))
+    stride = width * step
+    counts: dict[tuple[int, int, int], int] = {}
+    previous = bytearray(stride)
+    for row in range(height):
+        start = row * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            left = line[i - step] if i >= step else 0
+            up, corner = previous[i], previous[i - step] if i >= step else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + up) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 0xFF
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 0xFF
+        for i in range(0, stride, step):
+            pixel = (line[i], line[i + 1], line[i + 2])
+            counts[pixel] = counts.get(pixel, 0) + 1
+        previous = line
+    return counts

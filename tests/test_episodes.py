@@ -68,11 +68,12 @@ def test_summary_groups_tasks_and_leaves_skips_out() -> None:
     row = rows[0]
     assert (row.tasks, row.episodes, row.passed, row.k) == (3, 6, 1, 2)
     assert row.pass_at_1 == 0.25 and row.pass_at_k == 0.5  # tasks a and b attempted; c was all skipped
-    assert row.reward_mean == pytest.approx(1 / 3) and row.reward_min == 0.0 and row.reward_max == 1.0
-    assert row.reward_se == pytest.approx(math.sqrt((1 / 3) / 3))
+    # The error without a reward scores 0 (evals/reward.py) and is counted beside the mean.
+    assert row.reward_mean == pytest.approx(1 / 4) and row.reward_min == 0.0 and row.reward_max == 1.0
+    assert row.reward_se == pytest.approx(math.sqrt((0.75 / 3) / 4)) and row.zeroed == 1
     a, b, c = rows[1:]
     assert (a.tasks, a.episodes, a.passed, a.pass_at_1, a.pass_at_k, a.reward_mean) == (1, 2, 1, 0.5, 1.0, 0.5)
-    assert (b.passed, b.pass_at_1, b.reward_mean, b.reward_se) == (0, 0.0, 0.0, None)
+    assert (b.passed, b.pass_at_1, b.reward_mean, b.reward_se, b.zeroed) == (0, 0.0, 0.0, 0.0, 1)
     assert (c.episodes, c.k, c.pass_at_1) == (2, 0, None)  # all skipped: no attempt
     table = format_table(rows)
     assert [line.split()[0] for line in table[1:]] == ["t.py::f", "[a]", "[b]", "[c]"]
@@ -140,7 +141,7 @@ def test_example_eval_suite_writes_one_line_per_episode(pytester: pytest.Pyteste
     se = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1) / len(rewards))
     row = _table_row(result.stdout.str(), "evals/test_evals.py::test_agent")
     assert row == ["3", "12", "12", "1.000", "1.000", "4", f"{mean:.3f}", f"{se:.3f}", f"{min(rewards):.3f}",
-                   f"{max(rewards):.3f}"]
+                   f"{max(rewards):.3f}", "0"]
     result.stdout.fnmatch_lines(["*smolvm: 12 result line(s) in *r.jsonl"])
 
 
@@ -181,9 +182,9 @@ def test_episodes_grid_ids_seeds_and_outcomes(pytester: pytest.Pytester, smol_st
     assert (plain["episode"], plain["episodes"], plain["seed"], plain["reward"]) == (None, None, None, None)
     row = _table_row(result.stdout.str(), "test_episodes_grid_ids_seeds_and_outcomes.py::test_grid")
     # pass@1: t1 3/3, t2 2/3 -> 0.833; pass@3: both tasks have a pass -> 1.0; rewards 0, .5, 1 twice.
-    assert row == ["2", "6", "5", "0.833", "1.000", "3", "0.500", "0.183", "0.000", "1.000"]
+    assert row == ["2", "6", "5", "0.833", "1.000", "3", "0.500", "0.183", "0.000", "1.000", "0"]
     skips = _table_row(result.stdout.str(), "test_episodes_grid_ids_seeds_and_outcomes.py::test_skips")
-    assert skips == ["1", "2", "0", "-", "-", "0", "-", "-", "-"]
+    assert skips == ["1", "2", "0", "-", "-", "0", "-", "-", "-", "0"]
 
 
 def test_collection_is_identical_on_every_worker(pytester: pytest.Pytester, smol_state: Path) -> None:

@@ -71,9 +71,12 @@ def test_each_line_carries_the_cause_the_host_saw(pytester: pytest.Pytester, smo
     assert saved.is_absolute() and saved == (pytester.path / "art" / saved.name).resolve()
     assert "TIMED OUT" in (saved / "transcript.txt").read_text()
     assert lines["test_passes[ep0]"]["artifacts"] is None
-    # The run's own summary: the table, then intervals and the outcome breakdown.
+    # The run's own summary: the table, then intervals and the outcome breakdown; a failure that
+    # recorded no reward scores 0, and says so.
     result.stdout.fnmatch_lines([
-        "reward mean, 95% bootstrap interval over episodes:",
+        "reward mean (a failure without a reward scores 0), 95% bootstrap interval over episodes:",
+        "  test_causes.py::test_exec_timeout: reward 0.000 [[]0.000, 0.000[]] (1 of 1 failed without a reward, "
+        "scored 0)",
         "  test_causes.py::test_passes: reward 0.625 [[]0.500, 0.750[]]",
         "outcomes: passed 2, failed 1, timeout 2, setup 1, skipped 1",
     ])

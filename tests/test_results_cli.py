@@ -32,7 +32,7 @@ def test_two_real_runs_are_summarized_and_compared(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.count("12 episodes") >= 2
-    assert "reward mean, 95% bootstrap interval over episodes:" in out
+    assert "reward mean (a failure without a reward scores 0), 95% bootstrap interval over episodes:" in out
     assert "test_agent[uppercase]" in out and "over 4 pairs" in out
     assert "outcomes: passed 12" in out
     assert f"{second} vs {first}" in out

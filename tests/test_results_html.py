@@ -139,7 +139,7 @@ def test_runs_on_different_baselines_are_said_to_be_so_in_the_report(tmp_path: P
     assert results_cli(str(a), str(b), "--html", str(out)).returncode == 0
     page = out.read_text()
     assert "Different baseline digests" in page and "not like for like" in page
-    assert '<span class="flag">excludes 0</span>' in page
+    assert '<span class="flag flag-worse">worse</span>' in page  # every pair lost 1.0
 
 
 def test_readers_accept_schema_1_and_2_and_name_the_ones_they_read(tmp_path: Path) -> None:

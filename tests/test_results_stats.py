@@ -61,3 +61,14 @@ def test_compare_pairs_by_task_and_seed_and_flags_intervals_that_exclude_zero() 
 
 def test_baseline_digests_tell_runs_on_different_baselines_apart() -> None:
     assert baseline_digests([_line("a", 0, 1.0, "sha256:a")]) != baseline_digests([_line("a", 0, 1.0, "sha256:b")])
+
+
+def test_bootstrap_and_pass_at_k_bands_do_not_depend_on_the_order_values_came_in() -> None:
+    values = [0.0, 0.1, 0.9, 1.0, 0.25, 0.5, 0.75, 0.3]
+    counts = [(8, 1), (8, 7), (8, 4), (8, 0)]
+    rng = random.Random(44)
+    for _ in range(5):
+        rng.shuffle(values)
+        rng.shuffle(counts)
+        assert bootstrap(values) == bootstrap(sorted(values))
+        assert pass_at_k_curve(counts) == pass_at_k_curve(sorted(counts))

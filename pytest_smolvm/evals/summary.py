@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from math import comb
 from typing import Any
 
+from pytest_smolvm.evals.reward import canonical, is_episode, scores
+
 
 @dataclass(frozen=True)
 class SummaryRow:
@@ -28,6 +30,7 @@ class SummaryRow:
     reward_se: float | None
     reward_min: float | None
     reward_max: float | None
+    zeroed: int  # episodes that failed without a reward, scored 0 (evals/reward.py)
 
     @property
     def label(self) -> str:
@@ -48,11 +51,12 @@ def summarize(lines: list[dict[str, Any]]) -> list[SummaryRow]:
     Skipped and xfailed episodes are not attempts and are left out of pass@1/pass@k; errors
     count as fails. pass@1 and pass@k are the unbiased estimator averaged over tasks, with k the
     smallest number of attempts of any task (the marker's n when every episode ran). With k = n,
-    pass@k is the fraction of tasks with at least one passing episode.
+    pass@k is the fraction of tasks with at least one passing episode. The reward columns are
+    over every attempted episode's score (``evals/reward.py``: a failure without a reward scores 0).
     """
     functions: dict[str, list[dict[str, Any]]] = {}
-    for line in lines:
-        if line.get("episodes") is not None or line.get("reward") is not None or line.get("crashed"):
+    for line in canonical(lines):  # sorted: the same rows whatever order the workers wrote
+        if is_episode(line):
             functions.setdefault(line["function"], []).append(line)
     rows = []
     for function, group in functions.items():
@@ -75,7 +79,8 @@ def _row(function: str, task: str | None, tasks: dict[str, list[dict[str, Any]]]
         counts = [(len(ls), sum(ln["outcome"] == "passed" for ln in ls)) for ls in attempted.values()]
         at1 = sum(pass_at_k(n, c, 1) for n, c in counts) / len(counts)
         atk = sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
-    rewards = [float(ln["reward"]) for ln in group if ln.get("reward") is not None]
+    scored = scores(group)
+    rewards = scored.values
     mean = se = low = high = None
     if rewards:
         mean = sum(rewards) / len(rewards)
@@ -84,7 +89,7 @@ def _row(function: str, task: str | None, tasks: dict[str, list[dict[str, Any]]]
             se = math.sqrt(variance / len(rewards))
         low, high = min(rewards), max(rewards)
     return SummaryRow(function, task, len(tasks), len(group), sum(ln["outcome"] == "passed" for ln in group),
-                      at1, atk, k, mean, se, low, high)
+                      at1, atk, k, mean, se, low, high, scored.zeroed)
 
 
 def _num(value: float | None) -> str:
@@ -102,9 +107,10 @@ def _count(n: int, noun: str) -> str:
 
 
 def format_table(rows: Sequence[SummaryRow]) -> list[str]:
-    header = ["test", "tasks", "episodes", "passed", "pass@1", "pass@k", "k", "reward (mean ± se)", "min", "max"]
+    header = ["test", "tasks", "episodes", "passed", "pass@1", "pass@k", "k", "reward (mean ± se)", "min", "max",
+              "fails→0"]
     body = [[r.label, str(r.tasks), str(r.episodes), str(r.passed), _num(r.pass_at_1), _num(r.pass_at_k),
-             str(r.k), _reward(r), _num(r.reward_min), _num(r.reward_max)] for r in rows]
+             str(r.k), _reward(r), _num(r.reward_min), _num(r.reward_max), str(r.zeroed)] for r in rows]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
 
     def fmt(cells: list[str]) -> str:
@@ -118,4 +124,5 @@ def format_compact(rows: Sequence[SummaryRow]) -> list[str]:
     return [f"{r.label.strip() if r.task is None else r.label}: {_count(r.episodes, 'episode')}"
             + (f" ({_count(r.tasks, 'task')})" if r.task is None else "")
             + f", {r.passed} passed, pass@1 {_num(r.pass_at_1)}, pass@{r.k} {_num(r.pass_at_k)}, reward {_reward(r)}"
+            + (f" ({r.zeroed} failed without a reward, scored 0)" if r.zeroed else "")
             for r in rows]

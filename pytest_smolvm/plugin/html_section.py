@@ -32,9 +32,9 @@ class HtmlSection:
     def section(self, lines: list[dict[str, Any]]) -> str:
         from pytest_smolvm.evals.results.figures import METHOD, eval_lines, run_figures
         from pytest_smolvm.evals.results.svg import esc
+        from pytest_smolvm.evals.reward import is_episode
 
-        lines = [ln for ln in lines if ln.get("episodes") is not None or ln.get("reward") is not None
-                 or ln.get("crashed")]
+        lines = [ln for ln in lines if is_episode(ln)]
         if not lines:
             return ""
         where = getattr(self.config.option, "htmlpath", None)

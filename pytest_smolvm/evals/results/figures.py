@@ -1,7 +1,11 @@
 """One run's figures as an HTML fragment, overall and per task: pass@k with its band, mean reward
 with its interval, the reward and duration distributions and the outcome breakdown, each
 non-passing episode linked to its saved guest log. Shared by the ``results --html`` report and
-the pytest-html section, so both show the same thing."""
+the pytest-html section, so both show the same thing.
+
+Every episode is scored by the one convention (``evals/reward.py``) and read in canonical order,
+as the terminal views do: the header's mean, the per-task chart and the comparison agree with
+the summary table, and every attempted episode is a mark in its group's plots."""
 
 from __future__ import annotations
 
@@ -13,21 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from pytest_smolvm.evals.results import svg
+from pytest_smolvm.evals.results.episode_plots import Mark, distribution, ecdf
 from pytest_smolvm.evals.results.load import CAUSES, cause
-from pytest_smolvm.evals.results.stats import BOOTSTRAP_RESAMPLES, bootstrap, pass_at_k_curve, task_of
+from pytest_smolvm.evals.results.stats import BOOTSTRAP_RESAMPLES, bootstrap, pass_at_k_curve
 from pytest_smolvm.evals.results.svg import Span, esc
+from pytest_smolvm.evals.reward import NOT_ATTEMPTED, attempted, canonical, is_episode, score, scores, task_of
 
-METHOD = (f"Intervals are 95% percentile bootstrap intervals over episodes ({BOOTSTRAP_RESAMPLES} resamples, "
-          "fixed seed: the same file gives the same figures); the pass@k band resamples each task's "
-          "episodes. pass@k is the unbiased estimator (Chen et al. 2021), averaged over tasks.")
-ATTEMPTS_LEFT_OUT = ("skipped", "xfailed")
+CONVENTION = ("An episode's reward is the one it recorded; an episode that recorded none scores 1 if it "
+              "passed and 0 if it failed, errored, timed out or crashed (hollow dots); skipped episodes "
+              "are not scored. The terminal table, these headers, every chart and the comparison use it.")
+METHOD = (f"{CONVENTION} Intervals are 95% percentile bootstrap intervals over episodes ({BOOTSTRAP_RESAMPLES} "
+          "resamples of the episodes in a canonical order, fixed seed: the same file gives the same figures "
+          "whatever the order of its lines); the pass@k band resamples each task's episodes. pass@k is the "
+          "unbiased estimator (Chen et al. 2021), averaged over tasks.")
+HOLLOW = "no reward recorded: pass 1, fail 0"
 
 
 def eval_lines(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The episodes: lines with an episode number, a reward or a crash; every line if none has."""
-    chosen = [ln for ln in lines if ln.get("episodes") is not None or ln.get("reward") is not None
-              or ln.get("crashed")]
-    return chosen or list(lines)
+    """The episodes, in canonical order: lines with an episode number, a reward or a crash; every
+    line if none has."""
+    return canonical([ln for ln in lines if is_episode(ln)] or lines)
 
 
 def duration(line: dict[str, Any]) -> float | None:
@@ -36,15 +45,6 @@ def duration(line: dict[str, Any]) -> float | None:
     phases = [durations.get(p) for p in ("setup", "call", "teardown")]
     values = [float(v) for v in phases if isinstance(v, (int, float))]
     return sum(values) if values else None
-
-
-def score(line: dict[str, Any]) -> float | None:
-    """The recorded reward; without one, 1 for a pass and 0 for a fail (None if not attempted)."""
-    if line.get("reward") is not None:
-        return float(line["reward"])
-    if line.get("outcome") in ATTEMPTS_LEFT_OUT:
-        return None
-    return 1.0 if line.get("outcome") in ("passed", "xpassed") else 0.0
 
 
 def log_href(line: dict[str, Any], name: str, relative_to: Path | None) -> str | None:
@@ -64,8 +64,9 @@ def log_href(line: dict[str, Any], name: str, relative_to: Path | None) -> str |
 
 
 def log_links(line: dict[str, Any], relative_to: Path | None) -> str:
+    """The episode's transcript, guest log and its whole artifacts folder (files/, notes.txt)."""
     links = [f'<a href="{esc(href)}">{label}</a>' for name, label in
-             (("transcript.txt", "transcript"), ("guest-logs.txt", "guest log"))
+             (("transcript.txt", "transcript"), ("guest-logs.txt", "guest log"), ("", "folder"))
              if (href := log_href(line, name, relative_to)) is not None]
     return " ".join(links)
 
@@ -73,7 +74,7 @@ def log_links(line: dict[str, Any], relative_to: Path | None) -> str:
 def counts_by_task(lines: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     tasks: dict[str, list[dict[str, Any]]] = {}
     for ln in lines:
-        if ln.get("outcome") not in ATTEMPTS_LEFT_OUT:
+        if ln.get("outcome") not in NOT_ATTEMPTED:
             tasks.setdefault(task_of(ln), []).append(ln)
     return [(len(ls), sum(ln.get("outcome") == "passed" for ln in ls)) for ls in tasks.values()]
 
@@ -81,27 +82,31 @@ def counts_by_task(lines: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
 def group(title: str, lines: Sequence[dict[str, Any]], relative_to: Path | None, *, level: int = 3,
           extra: Sequence[str] = ()) -> str:
     """The numbers and plots of ``lines`` (one task, or a whole run)."""
-    rewards = [float(ln["reward"]) for ln in lines if ln.get("reward") is not None]
-    scores = [s for ln in lines if (s := score(ln)) is not None]
-    durations = [d for ln in lines if (d := duration(ln)) is not None]
+    lines = canonical(lines)
+    scored = scores(lines)
     counts = Counter(cause(ln) for ln in lines)
     curve = pass_at_k_curve(counts_by_task(lines))
-    mean = bootstrap(rewards if rewards else scores)
-    what = "reward" if rewards else "score (pass = 1)"
+    mean = bootstrap(scored.values)
     facts = [f"{len(lines)} episodes", f"{counts['passed']} passed"]
     if mean is not None:
-        facts.append(f"mean {what} <b>{mean.estimate:.3f}</b> [{mean.low:.3f}, {mean.high:.3f}]")
+        zeroed = f" ({esc(scored.note())})" if scored.zeroed else ""
+        facts.append(f'mean reward <b class="mean">{mean.estimate:.3f}</b> [{mean.low:.3f}, {mean.high:.3f}]'
+                     f"{zeroed}")
     if curve:
         facts.append(f"pass@1 {curve[0].estimate:.3f} [{curve[0].low:.3f}, {curve[0].high:.3f}]")
         if len(curve) > 1:
             last = curve[-1]
             facts.append(f"pass@{len(curve)} {last.estimate:.3f} [{last.low:.3f}, {last.high:.3f}]")
-    colours = [svg.COLOURS.get(cause(ln), svg.INK) for ln in lines if ln.get("reward") is not None]
+    def mark(value: float, ln: dict[str, Any], hollow: bool) -> Mark:
+        return Mark(value, cause(ln), str(ln.get("test", "")), hollow, log_href(ln, "transcript.txt", relative_to))
+
+    rewards = [mark(s, ln, ln.get("reward") is None) for ln in lines if (s := score(ln)) is not None]
+    attempts = [ln for ln in lines if attempted(ln)]  # a skip's seconds say nothing of the agent
+    durations = [mark(d, ln, False) for ln in attempts if (d := duration(ln)) is not None]
     plots = [
         svg.curve([Span(p.estimate, p.low, p.high) for p in curve], f"{title}: pass@k", "k", "pass@k"),
-        svg.distribution(rewards, f"{title}: reward", "reward", colours) if rewards
-        else svg.distribution(scores, f"{title}: score", "score (pass = 1)"),
-        svg.distribution(durations, f"{title}: duration", "seconds (setup + call + teardown)"),
+        distribution(rewards, f"{title}: reward", "reward", HOLLOW),
+        ecdf(durations, f"{title}: duration", "seconds (setup + call + teardown)", len(attempts) - len(durations)),
         *extra,
         svg.outcome_bar([(c, counts[c]) for c in CAUSES], f"{title}: outcomes"),
     ]
@@ -135,10 +140,9 @@ def run_figures(lines: Sequence[dict[str, Any]], relative_to: Path | None) -> st
         tasks.setdefault(task_of(ln), []).append(ln)
     means = []
     for task, ls in sorted(tasks.items()):
-        values = [s for ln in ls if (s := score(ln)) is not None]
-        if (mean := bootstrap(values)) is not None:
-            means.append((task, Span(mean.estimate, mean.low, mean.high), False))
-    extra = [svg.intervals(means, "mean reward per task", "mean reward (pass = 1 where none recorded)")]
+        if (mean := bootstrap(scores(ls).values)) is not None:
+            means.append((task, Span(mean.estimate, mean.low, mean.high), None))
+    extra = [svg.intervals(means, "mean reward per task", "mean reward (a failure without one scores 0)")]
     parts = [group("all episodes", episodes, relative_to, extra=extra if len(means) > 1 else ())]
     if len(tasks) > 1:
         parts += [group(task, ls, relative_to, level=4) for task, ls in sorted(tasks.items())]

@@ -1,7 +1,9 @@
 """Statistics over result lines: pass@k curves, bootstrap intervals and paired run comparison.
 
-Intervals are percentile bootstrap over episodes with a fixed seed, so the same file always gives
-the same figures; the per-task pass@k estimator is the unbiased one in ``eval_summary``.
+Intervals are percentile bootstrap over episodes with a fixed seed, resampling the values in a
+canonical (sorted) order, so the same file always gives the same figures whatever the order of its
+lines; the per-task pass@k estimator is the unbiased one in ``evals/summary.py``. Episodes are
+scored by the one convention in ``evals/reward.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_smolvm.evals.reward import canonical, score, task_of
 from pytest_smolvm.evals.summary import pass_at_k
 
 BOOTSTRAP_SEED = 29
@@ -34,9 +37,13 @@ def _mean(values: Sequence[float]) -> float:
 def bootstrap(values: Sequence[float], statistic: Callable[[Sequence[float]], float] = _mean,
               level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES,
               seed: int = BOOTSTRAP_SEED) -> Interval | None:
-    """Percentile bootstrap interval of ``statistic`` over ``values``; None when there are none."""
+    """Percentile bootstrap interval of ``statistic`` over ``values``; None when there are none.
+
+    The values are sorted before resampling: the fixed seed then draws the same multiset's
+    resamples whatever order the values came in (a results file's order is the workers')."""
     if not values:
         return None
+    values = sorted(values)
     rng = random.Random(seed)
     n = len(values)
     draws = sorted(statistic([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
@@ -52,6 +59,7 @@ def pass_at_k_curve(counts: Sequence[tuple[int, int]], level: float = 0.95,
     bootstrap over each task's episodes (resampling its passes and fails)."""
     if not counts:
         return []
+    counts = sorted(counts)  # the replicas' draws must not depend on the order tasks came in
     kmax = min(n for n, _ in counts)
     rng = random.Random(seed)
     replicas: list[list[tuple[int, int]]] = []
@@ -75,26 +83,23 @@ class TaskDifference:
 
     @property
     def flagged(self) -> bool:
-        return self.difference is not None and self.difference.excludes_zero()
+        return self.direction is not None
 
-
-def _score(line: dict[str, Any]) -> float:
-    if line.get("reward") is not None:
-        return float(line["reward"])
-    return 1.0 if line.get("outcome") == "passed" else 0.0
-
-
-def task_of(line: dict[str, Any]) -> str:
-    case = line.get("case") or ""
-    return f"{line.get('function', '')}[{case}]" if case else str(line.get("function", ""))
+    @property
+    def direction(self) -> str | None:
+        """"better" (the interval is above zero: higher reward), "worse" (below), None (no evidence)."""
+        if self.difference is None or not self.difference.excludes_zero():
+            return None
+        return "better" if self.difference.low > 0.0 else "worse"
 
 
 def compare(base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> list[TaskDifference]:
-    """Per-task reward differences (``other`` - ``base``; pass = 1, fail = 0 where no reward),
-    episodes paired by (task, seed), falling back to episode index when seeds are absent."""
+    """Per-task score differences (``other`` - ``base``, each episode scored by ``reward.score``),
+    episodes paired by (task, seed), falling back to episode index when seeds are absent. Lines
+    are read in canonical order, so a (task, seed) written twice pairs the same one every time."""
     def keyed(lines: Sequence[dict[str, Any]]) -> dict[tuple[str, Any], float]:
-        return {(task_of(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): _score(ln)
-                for ln in lines if ln.get("outcome") not in ("skipped", "xfailed")}
+        return {(task_of(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): s
+                for ln in canonical(lines) if (s := score(ln)) is not None}
     a, b = keyed(base), keyed(other)
     tasks: dict[str, list[float]] = {}
     for key in a.keys() & b.keys():

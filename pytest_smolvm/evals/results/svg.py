@@ -21,6 +21,12 @@ _LEFT, _RIGHT, _TOP, _BOTTOM = 44, 12, 14, 34
 COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "timeout": "#ef6c00", "oom": "#6a1b9a",
            "setup": "#546e7a", "skipped": "#9e9e9e", "crashed": "#000000"}
 INK, BAND, GRID = "#1f4e79", "#9ec5e8", "#dddddd"
+# A comparison's per-task change, by what its interval says (higher reward is better): a colour
+# and a shape each (up, down, round), so the direction reads without telling red from green.
+DIRECTIONS = {"better": "#1a9850", "worse": "#d73027", "no evidence": "#8a8a8a"}
+DIRECTION_SHAPES = {"better": "up", "worse": "down", "no evidence": "dot"}
+DIRECTION_TEXT = {"better": "better: interval above 0", "worse": "worse: interval below 0",
+                  "no evidence": "no evidence: interval spans 0"}
 
 
 def esc(text: object) -> str:
@@ -39,6 +45,36 @@ class Span:
 
 def _fmt(value: float) -> str:
     return f"{value:.3g}"
+
+
+def legend(items: Sequence[tuple[str, str, str]], top: float, width: int) -> tuple[list[str], int]:
+    """``(shape, colour, text)`` items left to right under a plot, wrapping at ``width``; the
+    markup and the height it takes. Shapes: ``dot``, ``ring`` (hollow dot), ``box``, ``line``,
+    ``up`` and ``down`` (triangles)."""
+    out, x, y = ['<g class="legend">'], 10.0, top + 12
+    for shape, colour, text in items:
+        step = 26 + 6.2 * len(text)
+        if x > 10 and x + step > width:
+            x, y = 10.0, y + 15
+        mark = {"dot": f'<circle cx="{x + 5:.1f}" cy="{y - 4:.1f}" r="4" fill="{colour}"/>',
+                "up": triangle(x + 5, y - 4, 5, colour, up=True),
+                "down": triangle(x + 5, y - 4, 5, colour, up=False),
+                "ring": f'<circle cx="{x + 5:.1f}" cy="{y - 4:.1f}" r="3.5" fill="#fff" stroke="{colour}" '
+                        f'stroke-width="1.6"/>',
+                "box": f'<rect x="{x:.1f}" y="{y - 9:.1f}" width="10" height="10" fill="{colour}"/>',
+                "line": f'<line x1="{x:.1f}" y1="{y - 4:.1f}" x2="{x + 11:.1f}" y2="{y - 4:.1f}" stroke="{colour}" '
+                        f'stroke-width="2"/>'}[shape]
+        out.append(f'<g class="key">{mark}<text x="{x + 15:.1f}" y="{y:.1f}" font-size="11">{esc(text)}</text></g>')
+        x += step
+    out.append("</g>")
+    return out, int(y - top + 6)
+
+
+def triangle(x: float, y: float, r: float, colour: str, *, up: bool, extra: str = "", inner: str = "") -> str:
+    """A triangle centred on (x, y), pointing up or down."""
+    tip, base = (y - r, y + r * 0.8) if up else (y + r, y - r * 0.8)
+    return (f'<polygon {extra}points="{x:.1f},{tip:.1f} {x - r:.1f},{base:.1f} {x + r:.1f},{base:.1f}" '
+            f'fill="{colour}">{inner}</polygon>')
 
 
 def _svg(kind: str, title: str, body: list[str], width: int = WIDTH, height: int = HEIGHT) -> str:
@@ -91,52 +127,6 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
     return [round(first + i * step, 10) for i in range(int((high - first) / step + 1e-9) + 1)]
 
 
-def histogram(values: Sequence[float], title: str, xlabel: str, bins: int = 0) -> str:
-    """Counts of ``values`` in equal bins (about √n of them, 5 to 20)."""
-    if not values:
-        return empty(title)
-    low, high = min(values), max(values)
-    bins = bins or max(5, min(20, round(math.sqrt(len(values)))))
-    width = (high - low) / bins if high > low else 1.0
-    counts = [0] * bins
-    for v in values:
-        counts[min(bins - 1, int((v - low) / width)) if high > low else bins // 2] += 1
-    top = max(counts)
-    frame = _Frame((low, low + width * bins if high > low else low + 1.0), (0, top))
-    edges = [low + i * width for i in range(bins + 1)] if high > low else [low, low + 1.0]
-    body = frame.axes(xlabel, "episodes", _ticks(frame.x0, frame.x1), _ticks(0, top, 4))
-    for i, count in enumerate(counts):
-        if not count:
-            continue
-        x0, x1 = (frame.px(edges[i]), frame.px(edges[i + 1])) if high > low else (frame.px(low), frame.px(low + 1))
-        y = frame.py(count)
-        body.append(f'<rect class="mark" x="{x0 + 0.5:.1f}" y="{y:.1f}" width="{max(1.0, x1 - x0 - 1):.1f}" '
-                    f'height="{frame.py(0) - y:.1f}" fill="{INK}"><title>{count} in '
-                    f"[{esc(_fmt(edges[i]))}, {esc(_fmt(edges[min(i + 1, len(edges) - 1)]))})</title></rect>")
-    return _svg("histogram", title, body)
-
-
-def strip(values: Sequence[float], title: str, xlabel: str, colours: Sequence[str] = ()) -> str:
-    """One dot per value along x, spread over y in a fixed pattern so equal values stay visible."""
-    if not values:
-        return empty(title)
-    low, high = min(values), max(values)
-    pad = (high - low) * 0.05 or 0.5
-    frame = _Frame((low - pad, high + pad), (0, 1))
-    body = frame.axes(xlabel, "", _ticks(frame.x0, frame.x1), [])
-    for i, v in enumerate(values):
-        colour = colours[i] if i < len(colours) else INK
-        y = frame.py(0.15 + 0.7 * ((i * 0.618034) % 1.0))
-        body.append(f'<circle class="mark" cx="{frame.px(v):.1f}" cy="{y:.1f}" r="4" fill="{colour}" '
-                    f'fill-opacity="0.75"><title>{esc(_fmt(v))}</title></circle>')
-    return _svg("strip", title, body)
-
-
-def distribution(values: Sequence[float], title: str, xlabel: str, colours: Sequence[str] = ()) -> str:
-    """A strip plot where episodes are few (every one visible), else a histogram."""
-    return strip(values, title, xlabel, colours) if len(values) < 30 else histogram(values, title, xlabel)
-
-
 def curve(points: Sequence[Span], title: str, xlabel: str, ylabel: str) -> str:
     """``points[i]`` at x = i + 1: the estimate as a line over its interval as a band (pass@k)."""
     if not points:
@@ -160,9 +150,10 @@ def curve(points: Sequence[Span], title: str, xlabel: str, ylabel: str) -> str:
     return _svg("curve", title, body)
 
 
-def intervals(rows: Sequence[tuple[str, Span, bool]], title: str, xlabel: str, zero: bool = False) -> str:
-    """One row per label: the estimate as a dot on its interval; ``True`` rows drawn in red.
-    With ``zero``, a dashed line at 0 (the comparison: an interval that misses it is flagged)."""
+def intervals(rows: Sequence[tuple[str, Span, str | None]], title: str, xlabel: str, zero: bool = False) -> str:
+    """One row per label: the estimate as a dot on its interval. With ``zero`` (a comparison), a
+    dashed line at 0 and each row coloured by its direction (``DIRECTIONS``: ``"better"``,
+    ``"worse"``, None for no evidence), with the key under the plot."""
     if not rows:
         return empty(title)
     labels = [_clip(label, 40) for label, _, _ in rows]  # the tail: where task names differ
@@ -178,15 +169,30 @@ def intervals(rows: Sequence[tuple[str, Span, bool]], title: str, xlabel: str, z
     if zero:
         body.append(f'<line x1="{frame.px(0):.1f}" y1="{_TOP}" x2="{frame.px(0):.1f}" y2="{height - _BOTTOM}" '
                     f'stroke="#888" stroke-dasharray="4 3"/>')
-    for i, ((label, span, flagged), shown) in enumerate(zip(rows, labels, strict=True)):
+    for i, ((label, span, direction), shown) in enumerate(zip(rows, labels, strict=True)):
         y = _TOP + row_height * (i + 0.5)
-        colour = COLOURS["failed"] if flagged else INK
+        word = direction or "no evidence"
+        colour = DIRECTIONS[word] if zero else INK
+        what = f" ({word})" if zero else ""
         body.append(f'<line class="mark" x1="{frame.px(span.low):.1f}" y1="{y:.1f}" x2="{frame.px(span.high):.1f}" '
                     f'y2="{y:.1f}" stroke="{colour}" stroke-width="2"/>')
-        body.append(f'<circle class="mark" cx="{frame.px(span.estimate):.1f}" cy="{y:.1f}" r="4" fill="{colour}">'
-                    f"<title>{esc(label)}: {span.estimate:+.3f} [{span.low:+.3f}, {span.high:+.3f}]</title></circle>")
+        tip = (f"<title>{esc(label)}: {span.estimate:+.3f} [{span.low:+.3f}, {span.high:+.3f}]{esc(what)}"
+               "</title>")
+        x = frame.px(span.estimate)
+        if zero and word != "no evidence":
+            body.append(triangle(x, y, 6, colour, up=word == "better", inner=tip,
+                                 extra=f'class="mark" data-direction="{esc(word)}" '))
+        else:
+            direction_attr = f'data-direction="{esc(word)}" ' if zero else ""
+            body.append(f'<circle class="mark" {direction_attr}cx="{x:.1f}" cy="{y:.1f}" r="4" fill="{colour}">'
+                        f"{tip}</circle>")
         body.append(f'<text x="{left - 8}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{esc(shown)}</text>')
-    return _svg("intervals", title, body, width, height)
+    if zero:
+        keys = [(DIRECTION_SHAPES[d], DIRECTIONS[d], DIRECTION_TEXT[d]) for d in DIRECTIONS]
+    else:
+        keys = [("dot", INK, "mean"), ("line", INK, "95% bootstrap interval")]
+    marks, used = legend(keys, height, width)
+    return _svg("intervals", title, body + marks, width, height + used)
 
 
 def outcome_bar(counts: Sequence[tuple[str, int]], title: str) -> str:

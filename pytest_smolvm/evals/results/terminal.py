@@ -1,5 +1,6 @@
 """``pytest-smolvm results`` in the terminal: the eval summary table with bootstrap intervals,
-the outcome breakdown, and run-to-run comparison."""
+the outcome breakdown, and run-to-run comparison. Every figure scores episodes by the one
+convention (``evals/reward.py``) and reads lines in canonical order, as the HTML report does."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from typing import Any
 
 from pytest_smolvm.evals.results.load import CAUSES, cause
 from pytest_smolvm.evals.results.stats import baseline_digests, bootstrap, compare
-from pytest_smolvm.evals.summary import format_table, summarize
+from pytest_smolvm.evals.reward import is_episode, scores
+from pytest_smolvm.evals.summary import SummaryRow, format_table, summarize
+
+DIRECTION_MARK = {"better": "  better", "worse": "  WORSE"}
 
 
-def _rewards(lines: Sequence[dict[str, Any]], function: str, task: str | None) -> list[float]:
-    return [float(ln["reward"]) for ln in lines if ln.get("reward") is not None and ln["function"] == function
-            and (task is None or (ln.get("case") or "") == task)]
+def _row_lines(lines: Sequence[dict[str, Any]], row: SummaryRow) -> list[dict[str, Any]]:
+    """The lines a summary row is computed from."""
+    return [ln for ln in lines if is_episode(ln) and ln["function"] == row.function
+            and (row.task is None or (ln.get("case") or "") == row.task)]
 
 
 def run_summary(path: Path, lines: Sequence[dict[str, Any]]) -> list[str]:
@@ -26,12 +31,15 @@ def details(lines: Sequence[dict[str, Any]]) -> list[str]:
     """Under the summary table: each row's mean reward with its interval, and the outcome breakdown."""
     out, intervals = [], []
     for row in summarize(list(lines)):
-        interval = bootstrap(_rewards(lines, row.function, row.task))
+        scored = scores(_row_lines(lines, row))
+        interval = bootstrap(scored.values)
         if interval is not None:
+            note = f" ({scored.note()})" if scored.zeroed else ""
             intervals.append(f"  {row.label.strip()}: reward {interval.estimate:.3f} "
-                             f"[{interval.low:.3f}, {interval.high:.3f}]")
+                             f"[{interval.low:.3f}, {interval.high:.3f}]{note}")
     if intervals:
-        out += ["reward mean, 95% bootstrap interval over episodes:", *intervals]
+        out += ["reward mean (a failure without a reward scores 0), 95% bootstrap interval over episodes:",
+                *intervals]
     counts = Counter(cause(ln) for ln in lines)
     out.append("outcomes: " + ", ".join(f"{c} {counts[c]}" for c in CAUSES if counts[c]))
     return out
@@ -50,9 +58,9 @@ def comparison(base_path: Path, base: Sequence[dict[str, Any]],
     for d in diffs:
         if d.difference is None:
             continue
-        flag = "  *" if d.flagged else ""
+        mark = DIRECTION_MARK.get(d.direction or "", "")
         out.append(f"  {d.task}: {d.difference.estimate:+.3f} [{d.difference.low:+.3f}, "
-                   f"{d.difference.high:+.3f}] over {d.pairs} pairs{flag}")
+                   f"{d.difference.high:+.3f}] over {d.pairs} pairs{mark}")
     if any(d.flagged for d in diffs):
-        out.append("  * the interval excludes zero")
+        out.append("  better / WORSE: the interval is above / below zero; unmarked: no evidence of a change")
     return out
