@@ -115,3 +115,40 @@ def test_rerunfailures_reruns_what_it_is_asked_to(pytester: pytest.Pytester, smo
     assert (outcomes.get("passed"), outcomes.get("rerun")) == (1, 1), outcomes
     result.stdout.fnmatch_lines([f"{ONE_AT_A_TIME}pytest-rerunfailures*"])
     assert_host_clean(smol_state)
+
+
+def test_a_hung_guest_create_is_bounded_by_the_tests_timeout(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # The guest of a test in flight is made ahead, on a thread of its own; a create that hangs is
+    # the setup's failure once the test's pytest-timeout budget is spent, as serially.
+    pytester.makeconftest("""
+        import time
+        from pytest_smolvm.session import pool
+
+        made = pool.GuestPool.create
+
+        def create(self, test_id, *args, **kwargs):
+            if "hangs" in test_id:
+                time.sleep(6)  # an engine that does not answer
+            return made(self, test_id, *args, **kwargs)
+
+        pool.GuestPool.create = create
+    """)
+    pytester.makepyfile(test_x="""
+        import pytest
+
+        async def test_first(smol_vm):
+            await smol_vm.aio.exec("true")
+
+        @pytest.mark.timeout(2)
+        async def test_hangs(smol_vm):
+            await smol_vm.aio.exec("true")
+
+        async def test_last(smol_vm):
+            await smol_vm.aio.exec("true")
+    """)
+    result = _run(pytester, "-rA", "--durations=0")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["ERROR test_x.py::test_hangs - Failed: Timeout *2.0s*"])
+    setup = next(line for line in result.stdout.lines if line.endswith("setup    test_x.py::test_hangs"))
+    assert float(setup.split("s")[0]) < 4, setup  # the budget, not the create's 6 s
+    assert_host_clean(smol_state)
