@@ -41,6 +41,10 @@ class Limits:
     copy_out_bytes: int = 4 << 30  # what one ``copy_out`` may write to the host
     copy_out_members: int = 1_000_000  # files, dirs and links in one copied tree
     copy_out_timeout: float = 900.0  # seconds for one whole stream from the guest
+    # Link components looked at while judging one copy's symlinks, all links together: each
+    # link is resolved once (untrusted/linkmap.py), so this bounds the total length of their
+    # targets; 4M steps take the host ~2 s.
+    copy_out_link_steps: int = 4_000_000
 
     # ---- what reaches a report (a terminal, JUnit, HTML: not an archive)
     report_section_chars: int = 32_000  # characters per guest in a test's report section

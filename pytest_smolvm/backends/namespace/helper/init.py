@@ -26,6 +26,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
 from pytest_smolvm.backends.namespace.helper.requests import (
     FILE_OPS,
     STATUS_FD,
+    Refused,
     UserError,
     _become,
     _error,
@@ -300,6 +301,8 @@ class Init:
             code = int(exc.code or 0)
         except UserError as exc:
             _report(STATUS_FD, {"error": {"user": str(exc)}})
+        except Refused as exc:
+            _report(STATUS_FD, {"error": {"message": str(exc)}})
         except OSError as exc:
             _report(STATUS_FD, {"error": _error(exc, message.get("path"), message["op"])})
         except BaseException as exc:  # report anything to the host, never crash pid 1's loop
