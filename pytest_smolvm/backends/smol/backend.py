@@ -45,7 +45,7 @@ from pytest_smolvm.backends.smol.common import (
 )
 from pytest_smolvm.backends.smol.guest import SmolGuest, delete_machine, delete_named, read_local_logs
 from pytest_smolvm.backends.smol.reap import destroy_recorded, kept_machines, list_owned, owner_alive, reap_unrecorded
-from pytest_smolvm.backends.smol.sdk import remove_fork_lock
+from pytest_smolvm.backends.smol.sdk import StartFailed, remove_fork_lock, start_checked
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import state_dir
 from pytest_smolvm.host.procs import host_identity, process_start_time
@@ -364,16 +364,17 @@ class SmolBackend:
         from smol import Machine, SmolError
 
         name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
-        config = self.machine_config(name, key, spec)
         self._asked = True
         try:
-            machine = Machine.create(config, _connect(self.target))
-        except SmolError as exc:
+            with start_checked(self.ready_timeout) if self.target == "cloud" else contextlib.nullcontext():
+                machine = Machine.create(self.machine_config(name, key, spec), _connect(self.target))
+        except (SmolError, StartFailed) as exc:
             # The SDK deletes a half-made machine itself; the name is unique so its lock file is ours.
             if self.target == "local":
                 remove_fork_lock(name)
-            raise provision_error(f"smol: could not boot source {name} from {spec.baseline.reference}",
-                                  exc) from exc
+            failed = exc.error if isinstance(exc, StartFailed) else exc
+            raise provision_error(f"smol: could not {'start' if failed is not exc else 'boot'} source {name} from "
+                                  f"{spec.baseline.reference}", failed) from exc
         return _Source(key, machine.id if self.target == "cloud" else name, machine, owned=True)
 
     def _delete_source(self, source: _Source) -> None:
