@@ -79,6 +79,8 @@ def test_the_shell_gets_a_relayed_pty_and_leaves_nothing_on_the_users_terminal(k
             if shell.poll() is None:
                 shell.kill()
                 shell.wait()
+        local = termios.tcgetattr(slave)[3]  # the user's terminal is back in its own mode (raw while relaying)
+        assert local & termios.ICANON and local & termios.ECHO
         # The shell has returned; the user's terminal (still open, as the user's own shell holds
         # it) must hear nothing more from the guest, and what the user types stays on the host.
         os.write(master, b"typed-after-return\r")
@@ -109,3 +111,18 @@ def test_a_scripts_shell_gets_relayed_pipes_and_returns_without_its_daemons(kept
     assert shell.stdout == payload
     assert shell.stderr == "to-err\n"
     assert time.monotonic() - begun < 4  # returned with the command, not with its daemon
+
+
+def test_a_terminal_shell_with_its_output_redirected_gets_the_bytes_as_written(kept: VM) -> None:
+    """Typed at a terminal, written to a file: pipes, not a pty (whose CRLFs would end up in it)."""
+    master, slave = os.openpty()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", "shell", kept.name, "sh", "-c",
+                               "printf 'a\\nb\\n'; test -t 0 || echo no-tty"], stdin=slave, capture_output=True,
+                              env=env, timeout=30, start_new_session=True, preexec_fn=_ctty)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b"a\nb\nno-tty\n"

@@ -197,9 +197,11 @@ def ended_by_signals() -> Iterator[None]:
 
 
 def wants_pty() -> bool:
-    """A terminal for the guest command when the user types into one (``docker -t``'s rule)."""
+    """A terminal for the guest command when the user types into one and reads from it: with
+    stdout redirected (``shell NAME cat f > copy``) the bytes must come out as the guest wrote
+    them, not with a terminal's CRLFs."""
     try:
-        return os.isatty(0) and bool(termios.tcgetattr(0))
+        return os.isatty(0) and os.isatty(1) and bool(termios.tcgetattr(0))
     except (OSError, termios.error):
         return False
 
