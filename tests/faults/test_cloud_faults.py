@@ -77,3 +77,30 @@ def test_a_503_on_a_machine_start_is_retried_or_ends_the_create_at_once(
     finally:
         status, err = server.stop()
     assert status == 0, err
+
+
+def test_a_branch_the_cloud_never_answers_is_given_up_after_smol_call_and_retried(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK sends a branch with a 30-minute timeout: a control plane that never answered held
+    the test's setup that long. Now ``LIMITS.smol_call`` (lowered to 5 s here) bounds it, and the
+    pool makes the guest again."""
+    server = LoopbackCloud("--fail", "branch:1:stall", state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        pytester.makeconftest("""
+            import dataclasses
+            from pytest_smolvm import limits
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, smol_call=5.0)
+        """)
+        pytester.makepyfile("""
+            def test_one(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=90)
+        result.assert_outcomes(passed=1)
+        assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
+        assert server.wait_for_no_machines() == []
+    finally:
+        status, err = server.stop()
+    assert status == 0, err

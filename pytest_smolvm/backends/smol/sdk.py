@@ -84,13 +84,26 @@ class StartFailed(Exception):
 
 
 _START_PATH = re.compile(r"^/v1/machines/[^/?]+/start(\?.*)?$")
+_BRANCH_PATH = re.compile(r"^/v1/machines/[^/?]+/(branches|branches/batch|fork|fork-batch)$")
 _checked_start = threading.local()  # the bound (seconds) in threads that asked, else unset
 _patch_lock = threading.Lock()
 
 
+def engine_bounded(target: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`start_checked` for a cloud target (``LIMITS.smol_call``, read now), else nothing."""
+    from pytest_smolvm import limits
+
+    return start_checked(limits.LIMITS.smol_call) if target == "cloud" else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def start_checked(bound: float) -> Iterator[None]:
-    """A cloud ``Machine.create`` in this thread whose start is bounded and retried, not swallowed.
+    """Cloud calls in this thread that start or branch a machine, bounded; a start retried, not
+    swallowed.
+
+    A branch POST goes out with the SDK's 30-minute ``CLOUD_START_TIMEOUT_S`` (transport.py:
+    1668-1676, 1730-1750): a control plane that never answers held a test's setup that long. In
+    this block its timeout is ``bound``; the SDK's error then is a retryable provisioning error.
 
     ``make_transport``'s cloud create (transport.py:2546-2586) sends the start POST with the
     30-minute ``CLOUD_START_TIMEOUT_S``, not as idempotent (so the SDK never resends it, even on a
@@ -109,6 +122,8 @@ def start_checked(bound: float) -> Iterator[None]:
 
             def fetch(base_url: str, api_key: str, method: str, path: str, **kwargs: Any) -> Any:
                 limit = getattr(_checked_start, "bound", None)
+                if limit is not None and method == "POST" and _BRANCH_PATH.match(path):
+                    kwargs["timeout"] = min(float(kwargs.get("timeout") or limit), limit)
                 if limit is None or method != "POST" or not _START_PATH.match(path):
                     return original(base_url, api_key, method, path, **kwargs)
                 kwargs["idempotent"] = True
