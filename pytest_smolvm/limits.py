@@ -41,6 +41,10 @@ class Limits:
     copy_out_bytes: int = 4 << 30  # what one ``copy_out`` may write to the host
     copy_out_members: int = 1_000_000  # files, dirs and links in one copied tree
     copy_out_timeout: float = 900.0  # seconds for one whole stream from the guest
+    # Link components looked at while judging one copy's symlinks, all links together: each
+    # link is resolved once (untrusted/linkmap.py), so this bounds the total length of their
+    # targets; 4M steps take the host ~2 s.
+    copy_out_link_steps: int = 4_000_000
 
     # ---- what reaches a report (a terminal, JUnit, HTML: not an archive)
     report_section_chars: int = 32_000  # characters per guest in a test's report section
@@ -64,6 +68,9 @@ class Limits:
     smol_plumbing: float = 600.0  # mkdir/tar/rm for a smol file transfer: big trees, but never a hang
     smol_exec_cancel_grace: float = 30.0  # past a command's timeout, before the host kills the call
     smol_ready: float = 120.0  # a smol machine's agent to answer after start
+    # One smol cloud call that starts or branches a machine, to answer: the SDK's own timeout
+    # there is 30 minutes (it waits out the control plane's queue), a hang this long is an error.
+    smol_call: float = 120.0
     smol_probe_boot: float = 20.0  # the probe's test boot ($PYTEST_SMOLVM_PROBE_TIMEOUT overrides it)
     registry_idle: float = 60.0  # without a byte from a registry before a request is given up
     credential_helper: float = 30.0  # a docker credential helper (one waiting on a desktop prompt)

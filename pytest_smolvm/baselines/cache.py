@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_smolvm.baselines import manifest
 from pytest_smolvm.baselines.archive import apply_layer, open_maybe_compressed, unpack_image_archive
 from pytest_smolvm.baselines.baseline import Baseline, Rootfs
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import SmolVMWarning, UsageError
 from pytest_smolvm.host.paths import cache_dir
 from pytest_smolvm.untrusted.walk import rmtree
 
@@ -39,14 +41,14 @@ def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
     # first) and nothing removes one, so a hit needs no lock: every run but a host's first takes
     # this path, without importing filelock (on the way to a run's first guest).
     found = _finished(final)
-    if found is not None:
+    if found is not None and _intact(final):
         return found
     store.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
     with FileLock(str(store / f"{key}.lock")):
         found = _finished(final, locked=True)
-        if found is not None:
+        if found is not None and _intact(final, locked=True, what=baseline.reference):
             return found
         started = time.monotonic()
         _remove_orphans(store, key)
@@ -67,6 +69,7 @@ def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
                 "reference": baseline.reference, "digest": baseline.digest,
                 "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/",
                 "user": config.get("User") or ""}))
+            manifest.write(staging)
             os.replace(staging, final)
         except BaseException:
             force_rmtree(staging)
@@ -86,14 +89,14 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
     store = cache_dir() / "baselines"
     final = store / f"warm-{key[:32]}"
     found = _finished(final)
-    if found is not None:
+    if found is not None and _intact(final):
         return found  # no lock for a hit: see unpack
     store.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
     with FileLock(str(store / f"warm-{key[:32]}.lock")):
         found = _finished(final, locked=True)
-        if found is not None:
+        if found is not None and _intact(final, locked=True, what=f"{parent.reference} + setup"):
             return found
         started = time.monotonic()
         _remove_orphans(store, final.name)
@@ -105,6 +108,7 @@ def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: 
                 "reference": f"{parent.reference} + setup", "digest": f"sha256:{key}", "parent": parent.digest,
                 "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir,
                 "user": parent_rootfs.user}))
+            manifest.write(staging)
             os.replace(staging, final)
         except BaseException:
             force_rmtree(staging)
@@ -159,6 +163,30 @@ def _finished(final: Path, *, locked: bool = False) -> Rootfs | None:
     os.replace(final, damaged)  # at once: no run takes the damaged tree from here on
     force_rmtree(damaged)
     return None
+
+
+# Trees this process has checked (the cheap check runs once per process per tree).
+_checked: set[Path] = set()
+
+
+def _intact(final: Path, *, locked: bool = False, what: str = "") -> bool:
+    """Whether the finished tree at ``final`` passes its manifest's cheap check (once per process).
+    Unlocked, a damaged tree only sends the caller to the lock; there it is moved aside and
+    removed (to be unpacked again), and the run is told once, with what was wrong."""
+    if final in _checked:
+        return True
+    damage = manifest.check(final)
+    if damage is None:
+        _checked.add(final)
+        return True
+    if not locked:
+        return False
+    warnings.warn(SmolVMWarning(f"the cached baseline {what or final.name} was damaged ({damage}); "
+                                f"unpacking it again in {final.parent}"), stacklevel=3)
+    damaged = final.with_name(f".damaged-{final.name}-{os.getpid()}")
+    os.replace(final, damaged)  # at once: no run takes the damaged tree from here on
+    force_rmtree(damaged)
+    return False
 
 
 def _remove_orphans(store: Path, name: str) -> None:

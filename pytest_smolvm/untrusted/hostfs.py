@@ -24,6 +24,7 @@ import stat
 from typing import IO
 
 from pytest_smolvm.errors import TarFormatError, UnsafeArchive
+from pytest_smolvm.untrusted.linkmap import LinkMap
 from pytest_smolvm.untrusted.rules import (
     CHUNK,
     FILE_FLAGS,
@@ -62,7 +63,8 @@ class Extractor(TreeWalker):
         self.as_root = hasattr(os, "geteuid") and os.geteuid() == 0
         self.owners_used = policy.layer and self.as_root and not policy.squash_owner
         self.umask = _umask()
-        self.symlinks: list[tuple[list[str], str]] = []  # copy_out's links, judged on the final tree
+        # copy_out's directories and links as written: its links are judged on the final tree.
+        self.links = None if policy.layer else LinkMap(policy.prefix, caps.max_link_steps, policy.what)
 
     def run(self, tar: TarReader) -> None:
         for member in tar:
@@ -109,6 +111,13 @@ class Extractor(TreeWalker):
                 self._make_hardlink(parent_fd, base, name, member)
             if layer:
                 self.this_layer.add(name)
+            elif self.links is not None:
+                if kind == DIRECTORY:
+                    self.links.directory(parts)
+                elif kind == SYMLINK:
+                    self.links.symlink(parts, member.linkname)
+                else:
+                    self.links.other(parts)
         finally:
             while self._stale:  # forgotten while this member still used its parent's fd
                 os.close(self._stale.pop())
@@ -164,10 +173,8 @@ class Extractor(TreeWalker):
         self.directories.append((name, self._mode(member), member.mtime))
 
     def _make_symlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
-        if not self.policy.layer:
-            if not _link_stays_inside(name, member.linkname, self.policy.prefix):
-                raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
-            self.symlinks.append((name.split("/"), member.name))
+        if not self.policy.layer and not _link_stays_inside(name, member.linkname, self.policy.prefix):
+            raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
         try:
             os.symlink(member.linkname, base, dir_fd=parent_fd)
         except FileExistsError:
@@ -283,9 +290,8 @@ class Extractor(TreeWalker):
     def finish(self) -> None:
         """Links judged, then directory modes and times last (deepest first): a 0555 dir must not
         block its own members."""
-        for parts, raw in self.symlinks:
-            if not self._resolves_inside(parts):
-                raise self._refuse(raw, "its link resolves outside the copied tree (through other links)")
+        if self.links is not None:
+            self.links.judge()
         # In stream order, each directory is one step from its parent's cached fd. Deepest first
         # only where a mode would take away our own search right before its subdirs are done.
         searchable = all(mode & 0o100 for _, mode, _ in self.directories)

@@ -33,6 +33,7 @@ class Caps:
     max_bytes: int = field(default_factory=lambda: limits.LIMITS.copy_out_bytes)
     max_members: int = field(default_factory=lambda: limits.LIMITS.copy_out_members)
     timeout: float = field(default_factory=lambda: limits.LIMITS.copy_out_timeout)
+    max_link_steps: int = field(default_factory=lambda: limits.LIMITS.copy_out_link_steps)
 
 
 class BoundedReader:

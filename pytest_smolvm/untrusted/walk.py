@@ -2,7 +2,7 @@
 
 The base of :class:`~pytest_smolvm.untrusted.hostfs.Extractor`: member names checked and turned
 into components, directories opened one component at a time with ``O_NOFOLLOW`` from the
-destination's own fd, and links judged by resolving them in the finished tree, never by spelling.
+destination's own fd (links are judged by :mod:`~pytest_smolvm.untrusted.linkmap`).
 """
 
 from __future__ import annotations
@@ -173,64 +173,6 @@ class TreeWalker:
         self._stale.extend(self._dirs.values())
         self._dirs.clear()
         self._resolved.clear()
-
-    def _resolves_inside(self, parts: list[str]) -> bool:
-        """Whether the link at ``parts`` stays in the copied tree, resolved as the kernel would.
-
-        Spelling is not enough: with ``d/up -> ..``, ``d/up/d/up/../..`` climbs two levels for
-        one ``d/up`` it names. So every component is looked up in the finished tree (links the
-        stream made before or after this one included) and each link met is expanded in turn.
-        A component that does not exist is taken lexically, which can only climb less than the
-        kernel would let it (the kernel stops there).
-        """
-        top = 1 if self.policy.prefix else 0
-        stack = parts[:-1]
-        if len(stack) < top:
-            return False
-        fd = self._dirs_fd(stack)
-        if fd < 0:
-            return False
-        try:
-            queue = os.readlink(parts[-1], dir_fd=fd).split("/")
-        except OSError:
-            return True  # replaced by a later member that is no link
-        finally:
-            os.close(fd)
-        hops = 0
-        while queue:
-            comp = queue.pop(0)
-            if comp in ("", "."):
-                continue
-            if comp == "..":
-                if len(stack) <= top:
-                    return False
-                stack.pop()
-                continue
-            fd = self._dirs_fd(stack)
-            st = None
-            if fd >= 0:
-                try:
-                    st = os.stat(comp, dir_fd=fd, follow_symlinks=False)
-                    if stat.S_ISLNK(st.st_mode):
-                        target = os.readlink(comp, dir_fd=fd)
-                        hops += 1
-                        if hops > MAX_LINK_HOPS or target.startswith("/"):
-                            return False
-                        queue = [*target.split("/"), *queue]
-                        continue
-                except FileNotFoundError:
-                    pass
-                finally:
-                    os.close(fd)
-            stack.append(comp)
-        return True
-
-    def _dirs_fd(self, stack: list[str]) -> int:
-        """An fd of the real directory ``stack`` names, no link followed; -1 if there is none."""
-        try:
-            return self._open_dir(stack, "/".join(stack), create=False, follow=False)
-        except (UnsafeArchive, OSError):
-            return -1
 
 
 # Removal is a loop over a stack of directories, not a recursion: a stream's names can nest 2,000

@@ -144,3 +144,71 @@ def test_a_read_error_mid_baseline_is_not_taken_for_its_end(tmp_path: Path, erro
         stream = decompressed(io.BytesIO(gzip.compress(whole)[:-8]))
     with pytest.raises(UsageError, match=r"^--smol-baseline: .*reading the stream failed"):
         apply_layer(stream, tmp_path, squash_owner=True)
+
+
+def _damage(rootfs: Path, damage: str) -> None:
+    busybox = rootfs / "bin" / "busybox"
+    if damage == "truncated":
+        os.truncate(busybox, busybox.stat().st_size // 2)
+    elif damage == "flipped":  # the same size and mtime: only the bytes (and the ctime) differ
+        st = busybox.stat()
+        with open(busybox, "r+b") as f:
+            f.seek(st.st_size // 2)
+            byte = f.read(1)
+            f.seek(st.st_size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(busybox, ns=(st.st_atime_ns, st.st_mtime_ns))
+    else:
+        (rootfs / "etc" / "alpine-release").unlink()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "deleted"])
+def test_a_damaged_unpacked_rootfs_is_found_and_unpacked_again_saying_so_once(
+        pytester: pytest.Pytester, smol_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        damage: str) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(cache))
+    pytester.makepyfile(GUEST_TEST)
+    pytester.runpytest_subprocess(*NS).assert_outcomes(passed=1)
+    [tree] = [p.parent for p in (cache / "baselines").glob("*/image.json")]
+    second = pytester.runpytest_subprocess(*NS)  # an intact tree: used as it is, no word
+    second.assert_outcomes(passed=1)
+    assert "was damaged" not in second.stdout.str()
+    _damage(tree / "rootfs", damage)
+    result = pytester.runpytest_subprocess(*NS)
+    result.assert_outcomes(passed=1, warnings=1)
+    assert result.stdout.str().count("was damaged") == 1, result.stdout.str()
+    result.stdout.fnmatch_lines(["*cached baseline * was damaged (/*busybox*" if damage != "deleted"
+                                 else "*cached baseline * was damaged (/etc/alpine-release is missing)*"])
+    assert staging_dirs(cache) == []
+    after = pytester.runpytest_subprocess(*NS)
+    after.assert_outcomes(passed=1)
+    assert "was damaged" not in after.stdout.str()
+
+
+def test_doctor_verifies_every_file_of_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Damage the cheap check cannot see (a flipped byte with every stamp as recorded, as a bad
+    block leaves it) is found by the full verification ``pytest-smolvm doctor`` runs."""
+    from pytest_smolvm.backends.smol.doctor import Report, check_cache
+    from pytest_smolvm.baselines import cache as cache_mod
+    from pytest_smolvm.baselines import manifest
+    from pytest_smolvm.baselines.baseline import resolve
+
+    monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(tmp_path / "cache"))
+    rootfs = cache_mod.unpack(resolve(None, tmp_path)).path
+    out = io.StringIO()
+    assert check_cache(Report(out)) == 0
+    assert "1 cached baseline verified" in out.getvalue(), out.getvalue()
+    _damage(rootfs, "flipped")
+    tree = rootfs.parent
+    entries = manifest.load(tree)
+    assert entries is not None
+    for entry in entries:  # as if the stamps had never moved: the cheap check passes
+        if entry["p"] == "bin/busybox":
+            st = (rootfs / "bin" / "busybox").stat()
+            entry["t"] = [st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    manifest._save(tree, entries)
+    assert manifest.check(tree) is None
+    out = io.StringIO()
+    assert check_cache(Report(out)) == 1
+    assert "/bin/busybox does not have the bytes it was unpacked with" in " ".join(out.getvalue().split())

@@ -46,3 +46,61 @@ def test_the_cloud_failing_mid_create(pytester: pytest.Pytester, tmp_path: Path,
     finally:
         status, err = server.stop()
     assert status == 0, err
+
+
+@pytest.mark.parametrize("faults", [["start:1:503"], [f"start:{n}:503" for n in range(1, 41)]],
+                         ids=["one 503", "503 on every try"])
+def test_a_503_on_a_machine_start_is_retried_or_ends_the_create_at_once(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch,
+        faults: list[str]) -> None:
+    """The SDK's create swallowed a failed start and waited its whole readiness timeout (120 s):
+    now the start is resent where the 503 says retry, and one that keeps failing ends the create
+    (the machine deleted) with one clear error, well within a minute."""
+    server = LoopbackCloud(*[arg for fault in faults for arg in ("--fail", fault)], state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        pytester.makepyfile("""
+            def test_one(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=60)
+        fired = [f["operation"] for f in server.admin("faults")["fired"]]
+        if len(faults) == 1:
+            result.assert_outcomes(passed=1)
+            assert fired == ["start"]
+        else:
+            result.assert_outcomes(errors=1)
+            result.stdout.fnmatch_lines(["*could not start source pytest-smolvm-src-*injected failure of start*"])
+            assert "INTERNALERROR" not in result.stdout.str()
+        assert server.wait_for_no_machines() == []
+    finally:
+        status, err = server.stop()
+    assert status == 0, err
+
+
+def test_a_branch_the_cloud_never_answers_is_given_up_after_smol_call_and_retried(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK sends a branch with a 30-minute timeout: a control plane that never answered held
+    the test's setup that long. Now ``LIMITS.smol_call`` (lowered to 5 s here) bounds it, and the
+    pool makes the guest again."""
+    server = LoopbackCloud("--fail", "branch:1:stall", state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        pytester.makeconftest("""
+            import dataclasses
+            from pytest_smolvm import limits
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, smol_call=5.0)
+        """)
+        pytester.makepyfile("""
+            def test_one(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=90)
+        result.assert_outcomes(passed=1)
+        assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
+        assert server.wait_for_no_machines() == []
+    finally:
+        status, err = server.stop()
+    assert status == 0, err

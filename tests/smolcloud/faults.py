@@ -4,7 +4,9 @@
 says of 408/429/502/503/504, transport.py:1929-1930); ``--fail branch:1:429:1`` adds a
 ``retry-after: 1`` header. ``--fail create:1:drop`` hangs up on the first create before doing
 it, ``--fail create:1:lost`` does it and then hangs up: the machine exists, the client never hears
-of it. Counts are per server, across every token.
+of it; ``--fail branch:1:stall`` never answers (a hung control plane: the connection stays open,
+nothing is done, until ``STALL_SECONDS`` or the server's end). Counts are per server, across
+every token.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from tests.smolcloud import wire
 
 OPERATIONS = ("create", "start", "branch", "exec", "delete", "list")
 RETRYABLE = frozenset({408, 429, 502, 503, 504})
-HANG_UPS = ("drop", "lost")  # no answer at all: before the operation, or after it was done
+HANG_UPS = ("drop", "lost", "stall")  # no answer: a hang-up before or after the operation, or none at all
+STALL_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Faults:
         self._lock = threading.Lock()
         self.fired: list[Fault] = []
         self._local = threading.local()  # a hang-up due on this handler thread's connection
+        self._stop = threading.Event()  # never set: a stalled call waits its STALL_SECONDS
 
     def check(self, operation: str) -> None:
         with self._lock:
@@ -59,6 +63,9 @@ class Faults:
             hit = next((f for f in self._faults if f.operation == operation and f.nth == count), None)
             if hit is not None:
                 self.fired.append(hit)
+        if hit is not None and hit.hang_up == "stall":
+            self._stop.wait(STALL_SECONDS)  # the client gives up first, or the server stops
+            raise wire.ApiError(503, "injected_failure", f"{operation} call {count} stalled (--fail)")
         if hit is not None and hit.hang_up:
             self._local.hang_up = True
             if hit.hang_up == "drop":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -118,10 +119,17 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
     ``memory_mb`` is what the guest's processes get, as a microVM's RAM is: the guest's files
     live in its tmpfs disk, charged to this cgroup too, so ``disk_mb`` is added to the limit
     (else a guest filling its disk would be killed for memory instead of told ENOSPC).
+
+    The guest's TCP buffers count too. cgroup v2 charges socket memory to ``memory.max`` by
+    default; v1 charges it nowhere until ``memory.kmem.tcp.limit_in_bytes`` is set (a 64 MiB
+    guest queued 512 MiB of host kernel memory on loopback sockets), so v1 gets that limit at
+    the processes' ``memory_mb``: past it the guest's sockets are under memory pressure (sends
+    wait), not the host's.
     """
     if defaults:
         cpus = cpus or guest_defaults.LIMITS.cpus
         memory_mb = memory_mb or guest_defaults.LIMITS.memory_mb
+    sockets_mb = memory_mb
     if memory_mb:
         memory_mb += disk_mb
     made: list[str] = []
@@ -148,6 +156,9 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
                 _write(os.path.join(path, "pids.max"), str(DEFAULT_PIDS_MAX))
             elif controller == "memory" and memory_mb:
                 _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_mb << 20))
+                if sockets_mb:
+                    with contextlib.suppress(FileNotFoundError):  # a kernel built without it charges nothing
+                        _write(os.path.join(path, "memory.kmem.tcp.limit_in_bytes"), str(sockets_mb << 20))
             elif controller == "cpu" and cpus:
                 _write(os.path.join(path, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
                 _write(os.path.join(path, "cpu.cfs_quota_us"), str(int(cpus * CPU_PERIOD_US)))

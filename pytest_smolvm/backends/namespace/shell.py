@@ -5,8 +5,9 @@ hand. So the shell is not a host process that enters the guest (``nsenter`` with
 capability was; joining the namespaces by ``setns`` needed root and could not work in
 user-namespace mode). When a guest is kept, the host binds a *door*, a listening socket in
 the guest's scratch dir (inside the private runtime dir: only this user reaches it), and hands
-it to the guest's init. The shell connects and sends one exec request, with its own terminal
-as the command's stdin/stdout/stderr; the init starts it as it starts every guest command:
+it to the guest's init. The shell connects and sends one exec request, with stdio the host made
+(a pty, or pipes: never the user's own terminal, see relay.py) as the command's
+stdin/stdout/stderr; the init starts it as it starts every guest command:
 in the guest's namespaces, cgroup, root, capability set and seccomp filter, plus
 ``no_new_privs``. The recorded init's pid must still carry its recorded start time (a reused
 pid is some other process), and the door must be a socket, reached through the scratch dir's
@@ -26,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pytest_smolvm.backends.namespace.relay import Stdio, ended_by_signals, user_terminal, wants_pty
 from pytest_smolvm.host.procs import process_start_time
 
 SHELL_DOOR = "shell.sock"
@@ -108,35 +110,51 @@ def _connect(scratch: Path) -> socket.socket:
 
 
 def _run(door: socket.socket, request: dict[str, Any], name: str) -> int:
-    """Send the exec with this process's stdin/stdout/stderr; wait for its exit status."""
+    """Send the exec with stdio the host made (relay.py), relay them, and return the exit status.
+
+    Whatever way this ends (exit, error, Ctrl-C, SIGTERM), the command's group is killed and the
+    host's ends of its stdio are closed before the user's shell gets its terminal back.
+    """
+    stdio = Stdio(pty=wants_pty())
+    request = {**request, "tty": stdio.pty}
+    started: int | None = None
     status, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with status:
+
+    def on_reply(data: bytes) -> int | None:
+        nonlocal started
+        if not data:
+            print(f"pytest-smolvm shell: guest {name}'s init went away", file=sys.stderr)
+            return 2
+        reply = json.loads(data)
+        if "pid" in reply:
+            started = int(reply["pid"])
+        elif "exit" in reply:
+            return int(reply["exit"])
+        elif "error" in reply:
+            error = reply["error"]
+            print(f"pytest-smolvm shell: {error.get('strerror') or error.get('message') or error}", file=sys.stderr)
+            return 127
+        return None
+
+    # The user's terminal is restored last: what the command queued is drained through it raw.
+    with status, ended_by_signals(), user_terminal(stdio):
         try:
-            socket.send_fds(door, [json.dumps(request).encode()], [0, 1, 2, theirs.fileno()])
+            try:
+                socket.send_fds(door, [json.dumps(request).encode()], [*stdio.theirs, theirs.fileno()])
+            finally:
+                theirs.close()
+                stdio.sent()
+            # Ctrl-C (a pipe's stdin; a pty's is a key for the guest) reaches this process, never
+            # the guest's command (a session of its own in the guest): pass it on as a kill.
+            previous = signal.signal(signal.SIGINT, lambda *_: _kill(door, started))
+            try:
+                return stdio.relay(status.fileno(), on_reply)
+            finally:
+                signal.signal(signal.SIGINT, previous)
         finally:
-            theirs.close()
-        started: int | None = None
-        # Ctrl-C reaches this process (the terminal's foreground), never the guest's command
-        # (a session of its own in the guest): pass it on as the kill a timeout would send.
-        previous = signal.signal(signal.SIGINT, lambda *_: _kill(door, started))
-        try:
-            while True:
-                data = status.recv(MAX_STATUS)
-                if not data:
-                    print(f"pytest-smolvm shell: guest {name}'s init went away", file=sys.stderr)
-                    return 2
-                reply = json.loads(data)
-                if "pid" in reply:
-                    started = int(reply["pid"])
-                elif "exit" in reply:
-                    return int(reply["exit"])
-                elif "error" in reply:
-                    error = reply["error"]
-                    print(f"pytest-smolvm shell: {error.get('strerror') or error.get('message') or error}",
-                          file=sys.stderr)
-                    return 127
-        finally:
-            signal.signal(signal.SIGINT, previous)
+            _kill(door, started)  # what it left in its group: a terminal's hangup, made certain
+            stdio.drain()
+            stdio.close()
 
 
 def _kill(door: socket.socket, pid: int | None) -> None:

@@ -45,7 +45,7 @@ from pytest_smolvm.backends.smol.common import (
 )
 from pytest_smolvm.backends.smol.guest import SmolGuest, delete_machine, delete_named, read_local_logs
 from pytest_smolvm.backends.smol.reap import destroy_recorded, kept_machines, list_owned, owner_alive, reap_unrecorded
-from pytest_smolvm.backends.smol.sdk import remove_fork_lock
+from pytest_smolvm.backends.smol.sdk import StartFailed, engine_bounded, remove_fork_lock
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import state_dir
 from pytest_smolvm.host.procs import host_identity, process_start_time
@@ -54,9 +54,6 @@ if TYPE_CHECKING:
     from smol import Machine, MachineConfig
 
     from pytest_smolvm.baselines.baseline import Baseline
-
-
-# --------------------------------------------------------------------------- the backend
 
 
 @dataclass
@@ -152,9 +149,10 @@ class SmolBackend:
         machine = self._source_machine(source)
         self._asked = True
         try:
-            child = self._batcher.branch(source.name, machine, spec.name,
-                                         lambda extra: delete_machine(extra, extra.name, self.target),
-                                         lambda names: delete_named(names, self.target))
+            with engine_bounded(self.target):
+                child = self._batcher.branch(source.name, machine, spec.name,
+                                             lambda extra: delete_machine(extra, extra.name, self.target),
+                                             lambda names: delete_named(names, self.target))
         except SmolError as exc:
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,
@@ -364,16 +362,17 @@ class SmolBackend:
         from smol import Machine, SmolError
 
         name = f"{SOURCE_PREFIX}{key[:10]}-{uuid.uuid4().hex[:8]}"
-        config = self.machine_config(name, key, spec)
         self._asked = True
         try:
-            machine = Machine.create(config, _connect(self.target))
-        except SmolError as exc:
+            with engine_bounded(self.target):
+                machine = Machine.create(self.machine_config(name, key, spec), _connect(self.target))
+        except (SmolError, StartFailed) as exc:
             # The SDK deletes a half-made machine itself; the name is unique so its lock file is ours.
             if self.target == "local":
                 remove_fork_lock(name)
-            raise provision_error(f"smol: could not boot source {name} from {spec.baseline.reference}",
-                                  exc) from exc
+            failed = exc.error if isinstance(exc, StartFailed) else exc
+            raise provision_error(f"smol: could not {'start' if failed is not exc else 'boot'} source {name} from "
+                                  f"{spec.baseline.reference}", failed) from exc
         return _Source(key, machine.id if self.target == "cloud" else name, machine, owned=True)
 
     def _delete_source(self, source: _Source) -> None:

@@ -274,6 +274,28 @@ def _check_selection(report: Report, boot_result: probe_mod.BootReport) -> bool:
     return True
 
 
+def check_cache(report: Report) -> int:
+    """Every unpacked baseline in this host's cache verified against its manifest, every file
+    hashed (a run only makes the cheap check); the number of damaged trees."""
+    from pytest_smolvm.baselines import manifest
+    from pytest_smolvm.host.paths import cache_dir
+
+    store = cache_dir() / "baselines"
+    trees = sorted(p for p in store.glob("*") if (p / "image.json").is_file()) if store.is_dir() else []
+    damaged = 0
+    for tree in trees:
+        problems = manifest.verify(tree)
+        if problems:
+            damaged += 1
+            report.line("FAIL", f"cached baseline {tree.name}", "; ".join(problems[:5]) +
+                        (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+            report.fix(f"remove {tree} (the next run unpacks it again)")
+    if trees and not damaged:
+        report.line("ok", f"{len(trees)} cached baseline{'s' if len(trees) > 1 else ''} verified",
+                    "every file as it was unpacked")
+    return damaged
+
+
 def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
     """Print the diagnosis to ``out``; the exit code as the module docstring says."""
     report = Report(out)
@@ -291,6 +313,7 @@ def run_doctor(out: TextIO, *, require_microvm: bool = False) -> int:
         result = probe_mod.BootReport(False, "smolmachines is not installed", 0.0)
     causes = [] if result.available else _explain_boot_failure(report, result, kvm, pvm)
     _check_cloud(report)
+    check_cache(report)
     guests_run = _check_selection(report, result)
     out.write("\n")
     if result.available:

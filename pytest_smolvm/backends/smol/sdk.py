@@ -13,13 +13,15 @@ import contextlib
 import hashlib
 import inspect
 import os
-from collections.abc import Callable
+import re
+import threading
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from smol import ExecOptions, Machine
+    from smol import ExecOptions, Machine, SmolError
 
 SDK_VERSION_READ = "1.32.2"
 
@@ -69,6 +71,78 @@ def remove_fork_lock(name: str) -> None:
         (vm_data_dir(name).parent / f".{name}.fork-operation.lock").unlink()
 
 
+class StartFailed(Exception):
+    """A cloud machine's start failed (``error``: the SDK's ``SmolError``): the create is over.
+
+    Not a ``SmolError`` on purpose: the SDK's create catches those from its start and waits out
+    the readiness timeout anyway; this passes its ``except SmolError`` and reaches its cleanup
+    (the machine is deleted), then the caller."""
+
+    def __init__(self, error: SmolError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+_START_PATH = re.compile(r"^/v1/machines/[^/?]+/start(\?.*)?$")
+_BRANCH_PATH = re.compile(r"^/v1/machines/[^/?]+/(branches|branches/batch|fork|fork-batch)$")
+_checked_start = threading.local()  # the bound (seconds) in threads that asked, else unset
+_patch_lock = threading.Lock()
+
+
+def engine_bounded(target: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`start_checked` for a cloud target (``LIMITS.smol_call``, read now), else nothing."""
+    from pytest_smolvm import limits
+
+    return start_checked(limits.LIMITS.smol_call) if target == "cloud" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def start_checked(bound: float) -> Iterator[None]:
+    """Cloud calls in this thread that start or branch a machine, bounded; a start retried, not
+    swallowed.
+
+    A branch POST goes out with the SDK's 30-minute ``CLOUD_START_TIMEOUT_S`` (transport.py:
+    1668-1676, 1730-1750): a control plane that never answers held a test's setup that long. In
+    this block its timeout is ``bound``; the SDK's error then is a retryable provisioning error.
+
+    ``make_transport``'s cloud create (transport.py:2546-2586) sends the start POST with the
+    30-minute ``CLOUD_START_TIMEOUT_S``, not as idempotent (so the SDK never resends it, even on a
+    503 that says retry), and catches its ``SmolError``: one 503 there left the machine created,
+    never started, and the run waited the whole readiness timeout. In this block that POST
+    (``_cloud_fetch``, transport.py:1991-2021) goes out idempotent, as the SDK's own
+    ``CloudTransport.start`` sends it (transport.py:1536-1543; the engine's start of a started
+    machine is a no-op), so the SDK's retry loop resends it where the error says retry, with a
+    timeout of ``bound``; if it still fails, :class:`StartFailed` ends the create at once.
+    """
+    from smol import SmolError, transport
+
+    with _patch_lock:
+        if not getattr(transport._cloud_fetch, "_pytest_smolvm", False):
+            original = transport._cloud_fetch
+
+            def fetch(base_url: str, api_key: str, method: str, path: str, **kwargs: Any) -> Any:
+                limit = getattr(_checked_start, "bound", None)
+                if limit is not None and method == "POST" and _BRANCH_PATH.match(path):
+                    kwargs["timeout"] = min(float(kwargs.get("timeout") or limit), limit)
+                if limit is None or method != "POST" or not _START_PATH.match(path):
+                    return original(base_url, api_key, method, path, **kwargs)
+                kwargs["idempotent"] = True
+                kwargs["timeout"] = min(float(kwargs.get("timeout") or limit), limit)
+                try:
+                    return original(base_url, api_key, method, path, **kwargs)
+                except SmolError as exc:
+                    raise StartFailed(exc) from exc
+
+            fetch._pytest_smolvm = True  # type: ignore[attr-defined]
+            fetch.__wrapped__ = original  # type: ignore[attr-defined]
+            transport._cloud_fetch = fetch
+    _checked_start.bound = bound
+    try:
+        yield
+    finally:
+        _checked_start.bound = None
+
+
 def private_api_problems() -> list[str]:
     """What this module relies on that the installed SDK no longer offers (empty: all holds)."""
     installed = installed_version()
@@ -88,4 +162,11 @@ def private_api_problems() -> list[str]:
         problems.append(f"Machine._exec_cancellable{inspect.signature(make)} changed shape")
     if not callable(getattr(LocalTransport, "canceller", None)):
         problems.append("LocalTransport.canceller is gone")
+    from smol import transport
+
+    fetch = inspect.unwrap(transport._cloud_fetch) if hasattr(transport, "_cloud_fetch") else None
+    if fetch is None or not {"timeout", "idempotent"} <= set(inspect.signature(fetch).parameters):
+        problems.append("smol.transport._cloud_fetch(..., timeout=, idempotent=) is gone (start_checked)")
+    elif '/start"' not in inspect.getsource(transport.make_transport):
+        problems.append("make_transport no longer starts a cloud machine by POST .../start (start_checked)")
     return problems

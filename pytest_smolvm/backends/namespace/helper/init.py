@@ -5,11 +5,13 @@ Part of the namespace backend's helper (see ``__init__``): standard library only
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
 import signal
 import socket
+import termios  # imported with the zygote: the guest's root has no host extension modules
 import time
 from typing import Any
 
@@ -24,6 +26,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
 from pytest_smolvm.backends.namespace.helper.requests import (
     FILE_OPS,
     STATUS_FD,
+    Refused,
     UserError,
     _become,
     _error,
@@ -283,6 +286,8 @@ class Init:
             signal.set_wakeup_fd(-1)
             for target, fd in enumerate(fds[:3]):
                 os.dup2(fd, target)
+            if message.get("tty"):  # the pty the shell door's host made: this session's terminal
+                _take_terminal()
             os.dup2(fds[3], STATUS_FD, inheritable=False)  # closed by a successful execve
             os.closerange(STATUS_FD + 1, 65536)
             if message.get("user") is not None:
@@ -296,6 +301,8 @@ class Init:
             code = int(exc.code or 0)
         except UserError as exc:
             _report(STATUS_FD, {"error": {"user": str(exc)}})
+        except Refused as exc:
+            _report(STATUS_FD, {"error": {"message": str(exc)}})
         except OSError as exc:
             _report(STATUS_FD, {"error": _error(exc, message.get("path"), message["op"])})
         except BaseException as exc:  # report anything to the host, never crash pid 1's loop
@@ -304,3 +311,13 @@ class Init:
             except OSError:
                 pass
         os._exit(code)
+
+
+def _take_terminal() -> None:
+    """Make fd 0 (the host-made pty's slave) this new session's controlling terminal, so that
+    keys the user types (Ctrl-C, Ctrl-Z) signal the command's foreground job. Best effort: a
+    shell without job control still works."""
+    try:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    except OSError:
+        pass

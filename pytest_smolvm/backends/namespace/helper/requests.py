@@ -32,6 +32,10 @@ class UserError(Exception):
     """The request's user is not known in the guest, or cannot be switched to."""
 
 
+class Refused(Exception):
+    """A request stopped at one of its limits; the message (naming it) is the host's error."""
+
+
 def _report(fd: int, message: dict[str, Any]) -> None:
     try:
         os.write(fd, json.dumps(message).encode())
@@ -223,6 +227,8 @@ def _op_read(message: dict[str, Any]) -> int:
             dst.write(chunk)
 
 
+# How deep a warm baseline's tree may nest (a guest's export names this limit when it stops).
+EXPORT_DEPTH = 1024
 GUEST_TARS = ("/bin/tar", "/usr/bin/tar")
 
 
@@ -294,21 +300,25 @@ def _op_export_root(message: dict[str, Any]) -> int:
     """
     root_dev = os.lstat("/").st_dev
     with os.fdopen(1, "wb", closefd=False) as dst, tarfile.open(fileobj=dst, mode="w|") as tar:
-        def add(path: str, arcname: str) -> None:
+        # Depth first in sorted order, by a stack: one Python frame per level made a 1,200-level
+        # tree end in a RecursionError; a tree deeper than EXPORT_DEPTH is refused by name.
+        pending = [("/" + entry, entry, 1) for entry in sorted(os.listdir("/"), reverse=True)]
+        while pending:
+            path, arcname, depth = pending.pop()
             info = tar.gettarinfo(path, arcname)
             if info.isreg():
                 with open(path, "rb") as f:
                     tar.addfile(info, f)
-                return
+                continue
             if info.ischr() or info.isblk():
-                return  # overlay whiteouts and devices: the baseline gets its own /dev
+                continue  # overlay whiteouts and devices: the baseline gets its own /dev
             tar.addfile(info)
             if info.isdir() and os.lstat(path).st_dev == root_dev:
-                for entry in sorted(os.listdir(path)):
-                    add(os.path.join(path, entry), f"{arcname}/{entry}")
-
-        for entry in sorted(os.listdir("/")):
-            add("/" + entry, entry)
+                entries = sorted(os.listdir(path), reverse=True)
+                if entries and depth >= EXPORT_DEPTH:
+                    raise Refused(f"{path[:200]}... is deeper than {EXPORT_DEPTH} directories (the limit "
+                                    "of a warm baseline's tree)")
+                pending.extend((os.path.join(path, entry), f"{arcname}/{entry}", depth + 1) for entry in entries)
     return 0
 
 
