@@ -26,6 +26,7 @@ from pytest_smolvm.backends.base import (
 )
 from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import dns as _nsdns
+from pytest_smolvm.backends.namespace import ledger as _nsledger
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.backends.namespace.helper.writers import writers_for
@@ -237,7 +238,7 @@ class NamespaceGuest:
         if not self.namespaces:
             return ""
         try:
-            return _nsnet.render_ledger(self.egress())
+            return _nsledger.render_ledger(self.egress())
         except GuestError as exc:
             return str(exc)
 
@@ -246,7 +247,7 @@ class NamespaceGuest:
             return []
         try:
             names = self.dns.ledger() if self.dns is not None else []
-            return _nsnet.read_ledger(self.namespaces, self.nat) + names
+            return _nsledger.read_ledger(self.namespaces, self.nat) + names
         except (ProvisionError, OSError, ValueError) as exc:
             raise GuestError(f"guest {self.name}: cannot read its egress ledger: {exc}") from exc
 

@@ -46,9 +46,7 @@ import time
 from pathlib import Path
 
 from pytest_smolvm import limits
-from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
-from pytest_smolvm.inert import inert
 
 INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
 NEEDS_ROOT = ("network=True and allow_hosts on the namespace backend need root: the egress fence is a rule in the "
@@ -61,7 +59,6 @@ FENCE_GID_BASE = 2_000_000_000  # + the guest init's pid (at most 2**22): pasta'
 FENCE_TABLE = "smolvm_fence_"  # + the guest init's pid: its table in the host's namespace
 SBIN = ("/usr/sbin", "/sbin")  # nft lives here, often off a normal user's PATH
 LEDGER_TABLE = "smolvm_egress"
-LEDGER_ROWS = 200  # destinations shown in a guest's log; the counts cover them all
 LEDGER_ENTRIES = 256  # destinations kept per set (the guest's two, the host's one); more are counted
 MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES, with their count
 # The guest half of the egress ledger and its fast refusals, loaded into its own network namespace
@@ -157,14 +154,14 @@ def pasta() -> str:
     """pasta's path; also checks for nft (the fence and the ledger need both) and for root (only
     root can load the fence into the host's nftables: a guest never runs unfenced)."""
     found = shutil.which("pasta")
-    if found is None or _nft() is None:
+    if found is None or nft_path() is None:
         raise ProvisionError(INSTALL_HINT)
     if os.geteuid() != 0:
         raise ProvisionError(NEEDS_ROOT)
     return found
 
 
-def _nft() -> str | None:
+def nft_path() -> str | None:
     return shutil.which("nft") or shutil.which("nft", path=os.pathsep.join(SBIN))
 
 
@@ -225,7 +222,7 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
     # User-namespace mode: the guest's netns belongs to its user namespace, which this user
     # owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
     userns = namespaces.get("user", -1)
-    binary, nft = pasta(), str(_nft())
+    binary, nft = pasta(), str(nft_path())
     nat = Nat(watcher=None, table=f"{FENCE_TABLE}{init_pid}", gid=FENCE_GID_BASE + init_pid)
     fds = (netns,) if userns < 0 else (netns, userns)
     pidfile = scratch / "pasta.pid"
@@ -234,7 +231,7 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
     _load_fence(nft, nat)
     try:
         _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
-        _in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
+        in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
         # As root pasta would switch to nobody and could no longer join the namespace; --runas 0
         # keeps it root in name (it drops its capabilities and sandboxes itself), in the fence's group.
         who = ["--runas", f"0:{nat.gid}"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
@@ -308,17 +305,17 @@ def stop_nat(nat: Nat) -> None:
         watcher.wait()
         if watcher.stderr:
             watcher.stderr.close()
-    nft = _nft()
+    nft = nft_path()
     if nft is not None:
         _drop_fence(nft, nat.table)
 
 
 def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
-    return _in_netns(netns, userns, ["ip", "-batch", "-"], batch)
+    return in_netns(netns, userns, ["ip", "-batch", "-"], batch)
 
 
-def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
+def in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
     """Run ``argv`` in the guest's network namespace (and, not as root, its user namespace)."""
     enter = [f"--net=/proc/self/fd/{netns}"]
     if userns >= 0:
@@ -329,67 +326,3 @@ def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
     if done.returncode:
         raise ProvisionError(f"{argv[0]} in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
     return done.stdout
-
-
-def read_ledger(namespaces: dict[str, int], nat: Nat | None) -> list[EgressAttempt]:
-    """What the guest tried to reach so far, most connections first: the guest's two sets, with
-    the destinations the host's fence refused (by then or later) marked refused."""
-    out = _in_netns(namespaces["net"], namespaces.get("user", -1),
-                    [str(_nft()), "-j", "list", "table", "inet", LEDGER_TABLE], "")
-    rows = _ledger_rows(out)
-    if nat is not None:
-        host = subprocess.run([str(_nft()), "-j", "list", "table", "inet", nat.table],
-                              capture_output=True, text=True, check=False)
-        if host.returncode:
-            raise ProvisionError(f"the egress fence's table is gone: {' '.join(host.stderr.split())[:300]}")
-        fenced = {(a.address, a.protocol, a.port): a for a in _ledger_rows(host.stdout, fence=True)}
-        for i, row in enumerate(rows):
-            if row.allowed and fenced.pop((row.address, row.protocol, row.port), None) is not None:
-                rows[i] = dataclasses.replace(row, allowed=False)
-        rows += fenced.values()  # refused by the host past the guest's own set's bound
-    return sorted(rows, key=lambda a: (-a.connections, a.address, a.port))
-
-
-def _ledger_rows(listing: str, fence: bool = False) -> list[EgressAttempt]:
-    """The rows of one ``nft -j list table``: each set's elements, each overflow counter's count."""
-    found: list[EgressAttempt] = []
-    for entry in json.loads(listing).get("nftables", []):
-        if not isinstance(entry, dict):
-            continue
-        counter = entry.get("counter")
-        if isinstance(counter, dict) and str(counter.get("name", "")).startswith("more_"):
-            packets = int(counter.get("packets", 0))
-            if packets:
-                found.append(EgressAttempt(MORE, "tcp/udp", 0, counter["name"] == "more_allowed", packets))
-            continue
-        found_set = entry.get("set")
-        if not isinstance(found_set, dict) or found_set.get("name") not in ("allowed", "refused"):
-            continue
-        for element in found_set.get("elem") or []:
-            try:
-                inner = element["elem"]
-                address, protocol, port = inner["val"]["concat"]
-                count = int(inner.get("counter", {}).get("packets", 0))
-                found.append(EgressAttempt(str(ipaddress.IPv4Address(address)), str(protocol), int(port),
-                                           found_set["name"] == "allowed" and not fence, count))
-            except (KeyError, TypeError, ValueError):
-                continue  # a shape this nft does not write: skipped, never a crash at teardown
-    return found
-
-
-def render_ledger(rows: list[EgressAttempt]) -> str:
-    attempts = [a for a in rows if a.protocol != "dns"]
-    names = [a for a in rows if a.protocol == "dns"]
-    if not attempts and not names:
-        return "egress: the guest attempted no connection and asked DNS for no name"
-    lines = [f"egress ledger ({sum(1 for a in attempts if a.address != MORE)} destination(s), "
-             f"{sum(a.connections for a in attempts if not a.allowed)} refused connection(s)):"]
-    lines += [f"  {a.render()}" for a in attempts[:LEDGER_ROWS]]
-    if len(attempts) > LEDGER_ROWS:
-        lines.append(f"  ... {len(attempts) - LEDGER_ROWS} more")
-    if names:
-        lines.append(f"dns names asked ({len(names)} name(s), {sum(1 for a in names if not a.allowed)} refused):")
-        lines += [f"  {inert(a.render())}" for a in names[:LEDGER_ROWS]]  # escaped already; twice is cheap
-        if len(names) > LEDGER_ROWS:
-            lines.append(f"  ... {len(names) - LEDGER_ROWS} more")
-    return "\n".join(lines)
