@@ -83,9 +83,11 @@ def render_ledger(rows: list[EgressAttempt]) -> str:
         return "egress: the guest attempted no connection and asked DNS for no name"
     lines = [f"egress ledger ({sum(1 for a in attempts if a.address != MORE)} destination(s), "
              f"{sum(a.connections for a in attempts if not a.allowed)} refused connection(s)):"]
-    lines += [f"  {a.render()}" for a in attempts[:LEDGER_ROWS]]
-    if len(attempts) > LEDGER_ROWS:
-        lines.append(f"  ... {len(attempts) - LEDGER_ROWS} more")
+    more = [a for a in attempts if a.address == MORE]  # first: past the bound, these are all there is
+    listed = [a for a in attempts if a.address != MORE]
+    lines += [f"  {a.render()}" for a in [*more, *listed[:LEDGER_ROWS]]]
+    if len(listed) > LEDGER_ROWS:
+        lines.append(f"  ... {len(listed) - LEDGER_ROWS} more")
     if names:
         lines.append(f"dns names asked ({len(names)} name(s), {sum(1 for a in names if not a.allowed)} refused):")
         lines += [f"  {inert(a.render())}" for a in names[:LEDGER_ROWS]]  # escaped already; twice is cheap

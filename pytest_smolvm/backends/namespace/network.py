@@ -283,13 +283,14 @@ def _drop_fence(nft: str, table: str) -> None:
 def _allow_only(netns: int, userns: int, allowed: list[ipaddress.IPv4Network]) -> None:
     """Refuse every address but ``allowed`` in the guest's own namespace: two /1 routes to the
     loopback beat pasta's default route, a route per allowed network (more specific, or the same:
-    ``replace``, so 0.0.0.0/0 is the default route itself) goes through pasta's gateway. The
-    host's fence stands behind them whatever they let through."""
+    ``replace``) goes through pasta's gateway; 0.0.0.0/0 is pasta's default route itself, with no
+    /1 routes. The host's fence stands behind them whatever they let through."""
     probe = _ip_in(netns, userns, "route show default\n").split()  # IPv4: ip route's default family
     if "via" not in probe or "dev" not in probe:
         raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
     gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
-    batch = "route replace 0.0.0.0/1 dev lo\nroute replace 128.0.0.0/1 dev lo\n"
+    everything = any(net.prefixlen == 0 for net in allowed)  # then the /1 routes would beat it
+    batch = "" if everything else "route replace 0.0.0.0/1 dev lo\nroute replace 128.0.0.0/1 dev lo\n"
     for net in sorted(set(allowed)):
         batch += f"route replace {net} via {gateway} dev {dev} onlink\n"
     _ip_in(netns, userns, batch)
