@@ -733,3 +733,34 @@ def test_the_ledger_is_bounded_and_counts_what_it_cannot_list(
     [line] = [json.loads(x) for x in (pytester.path / "results.jsonl").read_text().splitlines()]
     assert line["egress"]["allowed"] == 300 and line["egress"]["refused"] == 300, line["egress"]
     assert _pasta_processes(smol_state) == [] and _leaked_fence_tables() == []
+
+
+def test_another_guest_cannot_reach_a_guest_through_its_pasta_socket(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    """Guest A's UDP flow out makes pasta bind a host socket; guest B's datagram to the all-hosts
+    group on that port used to reach it, and pasta handed it to A: a channel between guests.
+    The multicast group is routed to the stand-in's link for the test (nothing leaves the machine)."""
+    veth = _current["veth"]
+    pytester.makepyfile(f"""
+        import random, subprocess, time
+        import pytest
+
+        def test_two_guests(smol_vm_factory):
+            a, b = smol_vm_factory(network=True), smol_vm_factory(network=True)
+            port = random.randrange(20000, 60000)
+            subprocess.run(["ip", "route", "add", "224.0.0.1/32", "dev", "{veth}"], check=True)
+            try:
+                a.exec(f"echo out | nc -u -p {{port}} -w 1 {INTERNET_HOST} 9")
+                bound = subprocess.run(["ss", "-uanH", "sport", "=", str(port)], capture_output=True, text=True).stdout
+                assert f"0.0.0.0:{{port}}" in bound, f"pasta bound no host socket for A's flow: {{bound!r}}"
+                a.exec(f"nc -u -l -p {{port}} > /tmp/heard 2>&1 & sleep 0.2")
+                for addr in ("224.0.0.1", "{HOST_SIDE}"):
+                    b.exec(f"echo from-b | nc -u -w 1 {{addr}} {{port}}")
+                time.sleep(0.5)
+            finally:
+                subprocess.run(["ip", "route", "del", "224.0.0.1/32", "dev", "{veth}"], check=False)
+            assert a.exec("cat /tmp/heard").stdout == "", "guest A heard guest B"
+            assert f"refused udp 224.0.0.1:{{port}}" in b.logs(), b.logs()
+    """)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    assert _pasta_processes(smol_state) == [] and _leaked_fence_tables() == []
