@@ -174,9 +174,10 @@ def test_no_nat_process_outlives_a_killed_run(pytester: pytest.Pytester, smol_st
     pytester.runpytest_subprocess()
     import time
     deadline = time.monotonic() + 10
-    while _pasta_processes(smol_state) and time.monotonic() < deadline:
+    while (_pasta_processes(smol_state) or _leaked_fence_tables()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _pasta_processes(smol_state) == []
+    assert _leaked_fence_tables() == [], "the watcher removes the fence's host table when the guest goes"
 
 
 def test_network_in_user_namespace_mode_is_refused_in_one_line(shared_cache: Path) -> None:

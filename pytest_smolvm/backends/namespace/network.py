@@ -32,6 +32,7 @@ or the owning pytest died and the init saw its socket close), the watcher kills 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import ipaddress
@@ -42,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,24 +122,43 @@ table inet {table} {{
 }}
 """
 
-# Runs as its own process: starts pasta (argv[5:]) in the fence's group (argv[3]) with the guest's
-# namespace fds (argv[2]), kills it once the guest's init (argv[1]) or pasta itself is gone, then
-# removes the fence's table from the host (argv[4]: "nft,table"): whatever killed pytest, nothing
-# of the guest's is left on the host. pidfds: a recycled pid cannot fool it.
-# SIGINT is ignored so that a terminal's ^C kills pasta through the init only.
+# Runs as its own process: loads the fence (its rules on stdin) into the host's nftables with nft
+# (argv[4]) as table argv[5], then starts pasta (argv[6:]) in the fence's group (argv[3]) with the
+# guest's namespace fds (argv[2]); once the guest's init (argv[1]) or pasta is gone, or on SIGTERM
+# (the guest's destroy), kills pasta and removes the table: whatever killed pytest, nothing of the
+# guest's is left on the host. The fence is in before pasta has a socket; a fence that does not
+# load ends it with FENCE_FAILED. pidfds: a recycled pid cannot fool it. SIGINT is ignored so
+# that a terminal's ^C kills pasta through the init only.
+FENCE_FAILED = 3
 _WATCHER = """
 import os, select, signal, subprocess, sys
+class Stop(Exception):
+    pass
+def stop(*_):
+    raise Stop
+signal.signal(signal.SIGTERM, stop)
 signal.pthread_sigmask(signal.SIG_SETMASK, ())  # pasta gets no mask from the host thread that started us
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
-gid = int(sys.argv[3])
-p = subprocess.Popen(sys.argv[5:], pass_fds=[int(f) for f in sys.argv[2].split(",")], stdin=subprocess.DEVNULL,
-                     group=gid, extra_groups=[])
-select.select([init, os.pidfd_open(p.pid)], [], [])
-p.kill()
-p.wait()
-nft, table = sys.argv[4].split(",")
+nft, table, pasta, failed = sys.argv[4], sys.argv[5], None, ""
+try:
+    loaded = subprocess.run([nft, "-f", "-"], stdin=sys.stdin, capture_output=True, text=True)
+    if loaded.returncode:
+        failed = " ".join(loaded.stderr.split())[:300] or "no message"
+    else:
+        pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
+                                 stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
+        select.select([init, os.pidfd_open(pasta.pid)], [], [])
+except Stop:
+    pass
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if pasta is not None:
+    pasta.kill()
+    pasta.wait()
 subprocess.run([nft, "delete", "table", "inet", table], stdin=subprocess.DEVNULL, capture_output=True)
+if failed:
+    sys.stderr.write(failed)
+    sys.exit(3)  # FENCE_FAILED
 """
 
 
@@ -148,6 +169,10 @@ class Nat:
     watcher: subprocess.Popen[bytes] | None
     table: str
     gid: int
+
+
+_ENDING: list[Nat] = []  # guests destroyed whose watchers are still removing their fences
+_ENDING_LOCK = threading.Lock()  # guests are destroyed from several threads at once
 
 
 def pasta() -> str:
@@ -226,32 +251,41 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
     nat = Nat(watcher=None, table=f"{FENCE_TABLE}{init_pid}", gid=FENCE_GID_BASE + init_pid)
     fds = (netns,) if userns < 0 else (netns, userns)
     pidfile = scratch / "pasta.pid"
-    # Fence first: the host's table before pasta has a socket, the guest's routes and ledger
-    # before the guest runs anything (they do not depend on the interface pasta makes).
-    _load_fence(nft, nat)
+    rules = FENCE_RULES.format(table=nat.table, gid=nat.gid, entries=LEDGER_ENTRIES,
+                               metadata=", ".join(m.removesuffix("/32") for m in METADATA))
+    # As root pasta would switch to nobody and could no longer join the namespace; --runas 0
+    # keeps it root in name (it drops its capabilities and sandboxes itself), in the fence's group.
+    who = ["--runas", f"0:{nat.gid}"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+    argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
+            "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
+            "--netns", f"/proc/self/fd/{netns}"]
+    # The watcher loads the host's fence and then starts pasta while the guest's own routes and
+    # ledger go in here (they do not depend on the interface pasta makes): the guest runs
+    # nothing before create returns, and pasta has no socket before the fence holds.
     try:
+        nat.watcher = subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), str(nat.gid), nft, nat.table,
+             *argv], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
+            start_new_session=True)
+        if nat.watcher.stdin is not None:
+            with contextlib.suppress(BrokenPipeError), nat.watcher.stdin:  # ended: the loop below says why
+                nat.watcher.stdin.write(rules.encode())
         _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
         in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
-        # As root pasta would switch to nobody and could no longer join the namespace; --runas 0
-        # keeps it root in name (it drops its capabilities and sandboxes itself), in the fence's group.
-        who = ["--runas", f"0:{nat.gid}"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
-        argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
-                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
-                "--netns", f"/proc/self/fd/{netns}"]
-        nat.watcher = subprocess.Popen(
-            [sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), str(nat.gid),
-             f"{nft},{nat.table}", *argv],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
-            start_new_session=True)
     except BaseException:
-        stop_nat(nat)
+        _kill_nat(nat)
         raise
     deadline = time.monotonic() + limits.LIMITS.network_ready
     while not pidfile.exists():
         if nat.watcher.poll() is not None or time.monotonic() > deadline:
+            _kill_nat(nat)
             err = nat.watcher.stderr.read().decode(errors="replace") if nat.watcher.stderr else ""
-            stop_nat(nat)
+            if nat.watcher.stderr:
+                nat.watcher.stderr.close()
             pidfile.unlink(missing_ok=True)
+            if nat.watcher.returncode == FENCE_FAILED:
+                raise ProvisionError(f"the egress fence could not be loaded into the host's nftables "
+                                     f"(so the guest does not start): {err}")
             raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
         time.sleep(0.005)
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
@@ -259,20 +293,9 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
         try:
             _allow_only(netns, userns, allowed)
         except BaseException:
-            stop_nat(nat)
+            _kill_nat(nat)
             raise
     return nat
-
-
-def _load_fence(nft: str, nat: Nat) -> None:
-    """Load the guest's fence into the host's nftables; a failure is the guest's ProvisionError."""
-    rules = FENCE_RULES.format(table=nat.table, gid=nat.gid, entries=LEDGER_ENTRIES,
-                               metadata=", ".join(m.removesuffix("/32") for m in METADATA))
-    done = subprocess.run([nft, "-f", "-"], input=rules, capture_output=True, text=True, check=False)
-    if done.returncode:
-        _drop_fence(nft, nat.table)
-        raise ProvisionError(f"the egress fence could not be loaded into the host's nftables "
-                             f"(so the guest does not start): {' '.join(done.stderr.split())[:300] or 'no message'}")
 
 
 def _drop_fence(nft: str, table: str) -> None:
@@ -297,15 +320,45 @@ def _allow_only(netns: int, userns: int, allowed: list[ipaddress.IPv4Network]) -
 
 
 def stop_nat(nat: Nat) -> None:
-    """Stop pasta and its watcher now (they share a process group of their own), reap the
-    watcher and remove the fence's host table (the watcher does too when it sees the init go)."""
+    """The guest is going: tell its watcher to kill pasta and remove the fence's host table, and
+    reap it (and earlier ones) once it has, without waiting here for nftables' commit."""
+    if nat.watcher is not None:
+        with contextlib.suppress(ProcessLookupError):
+            nat.watcher.send_signal(signal.SIGTERM)  # ending already if the init is gone: its own way
+        with _ENDING_LOCK:
+            _ENDING.append(nat)
+    _reap(block=False)
+
+
+def _reap(block: bool) -> None:
+    """Reap the watchers that have ended; with ``block`` (at exit), wait for each (at most the
+    destroy limit) and end what is left of one that did not, as a failed create does."""
+    with _ENDING_LOCK:
+        ending = [n for n in _ENDING if block or (n.watcher is not None and n.watcher.poll() is not None)]
+        for nat in ending:
+            _ENDING.remove(nat)
+    for nat in ending:
+        assert nat.watcher is not None
+        if block:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                nat.watcher.wait(limits.LIMITS.destroy_one_namespace_guest)
+        if nat.watcher.poll() is None:  # it did not end: its group (pasta) and table go here
+            _kill_nat(nat)
+        if nat.watcher.stderr:
+            nat.watcher.stderr.close()
+
+
+atexit.register(_reap, True)
+
+
+def _kill_nat(nat: Nat) -> None:
+    """Kill the watcher's process group (pasta with it), reap the watcher and remove the
+    fence's host table here: a guest that failed to be made, or a watcher that did not end."""
     watcher = nat.watcher
     if watcher is not None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(watcher.pid, signal.SIGKILL)
         watcher.wait()
-        if watcher.stderr:
-            watcher.stderr.close()
     nft = nft_path()
     if nft is not None:
         _drop_fence(nft, nat.table)
