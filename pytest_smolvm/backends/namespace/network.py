@@ -26,8 +26,10 @@ refused addresses at once. The allowlist only narrows what the host's table lets
 CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``); the host's table refuses IPv6 too.
 Every part of this that fails to be set up is a ProvisionError: the guest does not start.
 
-pasta's lifetime is bound to the guest's init by a watcher process: when the init exits (destroy,
-or the owning pytest died and the init saw its socket close), the watcher kills pasta.
+pasta's lifetime is bound to the guest's init by a watcher process, which also loads the host's
+table before it starts pasta and removes it after: when the init exits (destroy, or the owning
+pytest died and the init saw its socket close) or destroy tells it, the watcher kills pasta and
+removes the table.
 """
 
 from __future__ import annotations
