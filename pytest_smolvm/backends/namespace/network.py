@@ -26,10 +26,11 @@ refused addresses at once. The allowlist only narrows what the host's table lets
 CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``); the host's table refuses IPv6 too.
 Every part of this that fails to be set up is a ProvisionError: the guest does not start.
 
-pasta's lifetime is bound to the guest's init by a watcher process, which also loads the host's
-table before it starts pasta and removes it after: when the init exits (destroy, or the owning
-pytest died and the init saw its socket close) or destroy tells it, the watcher kills pasta and
-removes the table.
+The host's table is loaded before pasta starts (while the guest's own routes go in). pasta's
+lifetime is bound to the guest's init by a watcher process: when the init exits (destroy, or the
+owning pytest died and the init saw its socket close) or destroy tells it, the watcher kills
+pasta and removes the host's table; destroy does not wait for that (nftables' commit of a
+removal costs ~10 ms), the watcher is reaped later, at exit at the latest.
 """
 
 from __future__ import annotations
@@ -124,14 +125,12 @@ table inet {table} {{
 }}
 """
 
-# Runs as its own process: loads the fence (its rules on stdin) into the host's nftables with nft
-# (argv[4]) as table argv[5], then starts pasta (argv[6:]) in the fence's group (argv[3]) with the
+# Runs as its own process: starts pasta (argv[6:]) in the fence's group (argv[3]) with the
 # guest's namespace fds (argv[2]); once the guest's init (argv[1]) or pasta is gone, or on SIGTERM
-# (the guest's destroy), kills pasta and removes the table: whatever killed pytest, nothing of the
-# guest's is left on the host. The fence is in before pasta has a socket; a fence that does not
-# load ends it with FENCE_FAILED. pidfds: a recycled pid cannot fool it. SIGINT is ignored so
+# (the guest's destroy), kills pasta and removes the fence's table (argv[5]) from the host with nft
+# (argv[4]): whatever killed pytest, nothing of the guest's is left on the host, and destroy need
+# not wait for nftables' commit. pidfds: a recycled pid cannot fool it. SIGINT is ignored so
 # that a terminal's ^C kills pasta through the init only.
-FENCE_FAILED = 3
 _WATCHER = """
 import os, select, signal, subprocess, sys
 class Stop(Exception):
@@ -142,25 +141,18 @@ signal.signal(signal.SIGTERM, stop)
 signal.pthread_sigmask(signal.SIG_SETMASK, ())  # pasta gets no mask from the host thread that started us
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
-nft, table, pasta, failed = sys.argv[4], sys.argv[5], None, ""
+pasta = None
 try:
-    loaded = subprocess.run([nft, "-f", "-"], stdin=sys.stdin, capture_output=True, text=True)
-    if loaded.returncode:
-        failed = " ".join(loaded.stderr.split())[:300] or "no message"
-    else:
-        pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
-                                 stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
-        select.select([init, os.pidfd_open(pasta.pid)], [], [])
+    pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
+                             stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
+    select.select([init, os.pidfd_open(pasta.pid)], [], [])
 except Stop:
     pass
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if pasta is not None:
     pasta.kill()
     pasta.wait()
-subprocess.run([nft, "delete", "table", "inet", table], stdin=subprocess.DEVNULL, capture_output=True)
-if failed:
-    sys.stderr.write(failed)
-    sys.exit(3)  # FENCE_FAILED
+subprocess.run([sys.argv[4], "delete", "table", "inet", sys.argv[5]], stdin=subprocess.DEVNULL, capture_output=True)
 """
 
 
@@ -261,19 +253,39 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
     argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
             "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
             "--netns", f"/proc/self/fd/{netns}"]
-    # The watcher loads the host's fence and then starts pasta while the guest's own routes and
-    # ledger go in here (they do not depend on the interface pasta makes): the guest runs
-    # nothing before create returns, and pasta has no socket before the fence holds.
+    # The host's fence loads while the guest's own routes and ledger go in (they do not depend
+    # on the interface pasta makes; the guest runs nothing before create returns); pasta starts
+    # once it holds, so it never has a socket outside it.
+    loader = subprocess.Popen([nft, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        if loader.stdin is not None:  # a ruleset of ~1 KiB: the pipe takes it whole, no wait
+            with contextlib.suppress(BrokenPipeError), loader.stdin:  # it ended: its status says why
+                loader.stdin.write(rules.encode())
+        _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
+        in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
+        loader.wait(limits.LIMITS.network_ready)  # its stderr is a line or two: no pipe fills
+    except BaseException as exc:
+        loader.kill()
+        loader.wait()
+        _drop_fence(nft, nat.table)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise ProvisionError(f"the egress fence did not load into the host's nftables within "
+                                 f"{limits.LIMITS.network_ready}s (so the guest does not start)") from None
+        raise
+    finally:
+        said = loader.stderr.read().decode(errors="replace") if loader.stderr else ""
+        if loader.stderr:
+            loader.stderr.close()
+    if loader.returncode:
+        _drop_fence(nft, nat.table)
+        raise ProvisionError(f"the egress fence could not be loaded into the host's nftables (so the guest "
+                             f"does not start): {' '.join(said.split())[:300] or 'no message'}")
     try:
         nat.watcher = subprocess.Popen(
             [sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), str(nat.gid), nft, nat.table,
-             *argv], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
+             *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
             start_new_session=True)
-        if nat.watcher.stdin is not None:
-            with contextlib.suppress(BrokenPipeError), nat.watcher.stdin:  # ended: the loop below says why
-                nat.watcher.stdin.write(rules.encode())
-        _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
-        in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
     except BaseException:
         _kill_nat(nat)
         raise
@@ -281,14 +293,11 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
     while not pidfile.exists():
         if nat.watcher.poll() is not None or time.monotonic() > deadline:
             _kill_nat(nat)
-            err = nat.watcher.stderr.read().decode(errors="replace") if nat.watcher.stderr else ""
+            said = nat.watcher.stderr.read().decode(errors="replace") if nat.watcher.stderr else ""
             if nat.watcher.stderr:
                 nat.watcher.stderr.close()
             pidfile.unlink(missing_ok=True)
-            if nat.watcher.returncode == FENCE_FAILED:
-                raise ProvisionError(f"the egress fence could not be loaded into the host's nftables "
-                                     f"(so the guest does not start): {err}")
-            raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
+            raise ProvisionError(f"pasta did not start: {' '.join(said.split())[:300] or 'no message'}")
         time.sleep(0.005)
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
     if allowed is not None:
