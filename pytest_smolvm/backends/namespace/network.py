@@ -133,25 +133,20 @@ table inet {table} {{
 # that a terminal's ^C kills pasta through the init only.
 _WATCHER = """
 import os, select, signal, subprocess, sys
-class Stop(Exception):
-    pass
-def stop(*_):
-    raise Stop
-signal.signal(signal.SIGTERM, stop)
+# SIGTERM only wakes the select below (through the wakeup fd): raised as an exception it could
+# land inside Popen, after pasta was forked and before it was ours to kill.
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGTERM, lambda *_: None)
 signal.pthread_sigmask(signal.SIG_SETMASK, ())  # pasta gets no mask from the host thread that started us
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
-pasta = None
-try:
-    pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
-                             stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
-    select.select([init, os.pidfd_open(pasta.pid)], [], [])
-except Stop:
-    pass
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if pasta is not None:
-    pasta.kill()
-    pasta.wait()
+pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
+                         stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
+select.select([init, os.pidfd_open(pasta.pid), wake_r], [], [])
+pasta.kill()
+pasta.wait()
 subprocess.run([sys.argv[4], "delete", "table", "inet", sys.argv[5]], stdin=subprocess.DEVNULL, capture_output=True)
 """
 
