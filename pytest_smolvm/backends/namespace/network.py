@@ -98,10 +98,11 @@ table inet smolvm_egress {{
 # The fence, in the host's namespace: every packet of pasta's sockets (its gid, {gid}) to a
 # destination local to the host at that moment, or to a metadata address, or over IPv6, is
 # refused and recorded. Sockets that are not full sockets (time-wait) have no gid: the match
-# fails and the packet passes, as it does for every other process of the host.
+# fails and the packet passes, as it does for every other process of the host. "create" fails if
+# the table is there already (one left by a guest whose watcher was killed, whose init had this
+# pid): start_nat removes it and loads again (an add-and-delete in every load costs ~13 ms).
 FENCE_RULES = """
-add table inet {table}
-delete table inet {table}
+create table inet {table}
 table inet {table} {{
   set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {entries}; counter; }}
   counter more_refused {{ }}
@@ -272,6 +273,10 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
         said = loader.stderr.read().decode(errors="replace") if loader.stderr else ""
         if loader.stderr:
             loader.stderr.close()
+    if loader.returncode and "File exists" in said:  # a stale table of this pid's: gone, and again
+        _drop_fence(nft, nat.table)
+        again = subprocess.run([nft, "-f", "-"], input=rules, capture_output=True, text=True, check=False)
+        loader.returncode, said = again.returncode, again.stderr
     if loader.returncode:
         _drop_fence(nft, nat.table)
         raise ProvisionError(f"the egress fence could not be loaded into the host's nftables (so the guest "
