@@ -93,6 +93,8 @@ class EgressAttempt:
         verdict = "allowed" if self.allowed else "refused"
         if self.protocol == "dns":
             return f"{verdict} dns {self.address}{' ' + self.types if self.types else ''} ({self.connections}x)"
+        if self.address.startswith("("):  # a count of flows past the ledger's bound: no one address
+            return f"{verdict} {self.protocol} {self.address} ({self.connections}x)"
         return f"{verdict} {self.protocol} {self.address}:{self.port} ({self.connections}x)"
 
 

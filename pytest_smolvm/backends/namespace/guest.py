@@ -12,7 +12,6 @@ import errno
 import os
 import signal
 import socket
-import subprocess
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from pytest_smolvm.backends.base import (
 )
 from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import dns as _nsdns
+from pytest_smolvm.backends.namespace import ledger as _nsledger
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
 from pytest_smolvm.backends.namespace.helper.writers import writers_for
@@ -66,7 +66,7 @@ class NamespaceGuest:
         self.default_user = rootfs.user.split(":", 1)[0] or None
         self._destroyed = False
         self.kept = False
-        self.nat: subprocess.Popen[bytes] | None = None  # pasta's watcher, for network=True
+        self.nat: _nsnet.Nat | None = None  # pasta's watcher and the host's fence table, for network=True
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
         self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
 
@@ -238,7 +238,7 @@ class NamespaceGuest:
         if not self.namespaces:
             return ""
         try:
-            return _nsnet.render_ledger(self.egress())
+            return _nsledger.render_ledger(self.egress())
         except GuestError as exc:
             return str(exc)
 
@@ -247,7 +247,7 @@ class NamespaceGuest:
             return []
         try:
             names = self.dns.ledger() if self.dns is not None else []
-            return _nsnet.read_ledger(self.namespaces) + names
+            return _nsledger.read_ledger(self.namespaces, self.nat) + names
         except (ProvisionError, OSError, ValueError) as exc:
             raise GuestError(f"guest {self.name}: cannot read its egress ledger: {exc}") from exc
 

@@ -7,20 +7,37 @@ needs no setuid helper, and can be told to map nothing of the host into the gues
 (``--no-map-gw``, ``-T none -U none``: the gateway address and the guest's loopback ports are
 otherwise forwarded to the host's loopback).
 
-What pasta alone would still let through, the guest's own routing table refuses: routes to the
-guest's loopback (where none of those addresses is local) for 169.254.0.0/16 (cloud metadata)
-and for each of the host's own addresses, set from the host before the guest runs anything; an
-nftables chain in the guest's namespace records every new flow (the egress ledger) and answers
-those to refused addresses at once. The guest has no CAP_NET_ADMIN, so it can remove neither.
-IPv4 only (``-4``): no IPv6 routes means no fe80::/10 either.
+The fence is a rule evaluated per packet on the host, not a list taken at creation: pasta runs
+with a group id of its own (``FENCE_GID_BASE`` + the guest init's pid; uid 0 in name, its
+capabilities dropped by itself), so every packet of its sockets carries that gid, and an nftables
+table in the host's namespace (``smolvm_fence_<pid>``, loaded before pasta starts) matches it
+(``meta skgid``) on the output hook and refuses, at the time of each packet, every destination
+local to the host (``fib daddr type { local, broadcast, multicast, anycast }``: addresses and local
+routes the host gains later, its loopback, broadcast and multicast, the sockets of other guests'
+pasta, which are local to the host) and the clouds' metadata addresses (``METADATA``). Its refusals
+go into a bounded set of that table: the host half of the guest's ledger. Only root can write
+the host's nftables, so a normal user's guest (user-namespace mode) gets no network: it fails
+with one line rather than run unfenced.
 
-pasta's lifetime is bound to the guest's init by a watcher process: when the init exits (destroy,
-or the owning pytest died and the init saw its socket close), the watcher kills pasta.
+In the guest's own namespace, where the guest has no CAP_NET_ADMIN, routes to its loopback refuse
+the metadata addresses at once and, for ``allow_hosts``, everything outside the list; an
+nftables chain there records every new flow (the guest half of the ledger) and answers those to
+refused addresses at once. The allowlist only narrows what the host's table lets through: no
+CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``); the host's table refuses IPv6 too.
+Every part of this that fails to be set up is a ProvisionError: the guest does not start.
+
+The host's table is loaded before pasta starts (while the guest's own routes go in). pasta's
+lifetime is bound to the guest's init by a watcher process: when the init exits (destroy, or the
+owning pytest died and the init saw its socket close) or destroy tells it, the watcher kills
+pasta and removes the host's table; destroy does not wait for that (nftables' commit of a
+removal costs ~10 ms), the watcher is reaped later, at exit at the latest.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -29,78 +46,138 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from pytest_smolvm import limits
-from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
-from pytest_smolvm.inert import inert
 
 INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
-PROHIBITED = ("169.254.0.0/16",)
+NEEDS_ROOT = ("network=True and allow_hosts on the namespace backend need root: the egress fence is a rule in the "
+              "host's nftables, which a normal user cannot load (run as root, or use --smol-backend=smol)")
+# The clouds' metadata services: AWS/GCP/Azure/OCI (169.254.169.254, and the rest of the
+# link-local range), Azure's WireServer, Alibaba's. fd00:ec2::254 (AWS over IPv6) is refused
+# with all of IPv6 by the host's table.
+METADATA = ("169.254.0.0/16", "168.63.129.16/32", "100.100.100.200/32")
+FENCE_GID_BASE = 2_000_000_000  # + the guest init's pid (at most 2**22): pasta's group, matched on the host
+FENCE_TABLE = "smolvm_fence_"  # + the guest init's pid: its table in the host's namespace
 SBIN = ("/usr/sbin", "/sbin")  # nft lives here, often off a normal user's PATH
 LEDGER_TABLE = "smolvm_egress"
-LEDGER_ROWS = 200  # destinations shown in a guest's log; the counts cover them all
-# The guest's egress ledger and its fast refusals, loaded into its own network namespace (the
-# guest has no CAP_NET_ADMIN there: it can neither read nor change them). Refused destinations
-# are routed to the guest's loopback, where no address of theirs is local: the routes alone
-# refuse them (a timeout); this chain records each new flow to them and answers it at once
+LEDGER_ENTRIES = 256  # destinations kept per set (the guest's two, the host's one); more are counted
+MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES, with their count
+# The guest half of the egress ledger and its fast refusals, loaded into its own network namespace
+# (the guest has no CAP_NET_ADMIN there: it can neither read nor change them). Refused
+# destinations are routed to the guest's loopback, where no address of theirs is local: the routes
+# alone refuse them (a timeout); this chain records each new flow to them and answers it at once
 # (a TCP reset, an ICMP error for UDP), and records each new flow that leaves through pasta.
-LEDGER_RULES = """
-table inet smolvm_egress {
-  set refused { type ipv4_addr . inet_proto . inet_service; flags dynamic; size 65536; counter; }
-  set allowed { type ipv4_addr . inet_proto . inet_service; flags dynamic; size 65536; counter; }
-  chain out {
+# The sets are bounded: a new destination past LEDGER_ENTRIES fails the set's update, which
+# ends that rule, and the next one counts it (the guest cannot make the host keep more).
+LEDGER_RULES = f"""
+table inet smolvm_egress {{
+  set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {LEDGER_ENTRIES}; counter; }}
+  set allowed {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {LEDGER_ENTRIES}; counter; }}
+  counter more_refused {{ }}
+  counter more_allowed {{ }}
+  chain out {{
     type filter hook output priority 0; policy accept;
     ct state != new accept
-    meta l4proto != { tcp, udp } accept
+    meta l4proto != {{ tcp, udp }} accept
     fib daddr type local accept
-    oifname "lo" update @refused { ip daddr . meta l4proto . th dport } meta l4proto tcp reject with tcp reset
-    oifname "lo" reject
-    update @allowed { ip daddr . meta l4proto . th dport }
-  }
-}
+    oifname "lo" update @refused {{ ip daddr . meta l4proto . th dport }} goto refuse
+    oifname "lo" counter name more_refused goto refuse
+    update @allowed {{ ip daddr . meta l4proto . th dport }} accept
+    counter name more_allowed accept
+  }}
+  chain refuse {{
+    meta l4proto tcp reject with tcp reset
+    reject
+  }}
+}}
+"""
+# The fence, in the host's namespace: every packet of pasta's sockets (its gid, {gid}) to a
+# destination local to the host at that moment, or to a metadata address, or over IPv6, is
+# refused and recorded. Sockets that are not full sockets (time-wait) have no gid: the match
+# fails and the packet passes, as it does for every other process of the host. "create" fails if
+# the table is there already (one left by a guest whose watcher was killed, whose init had this
+# pid): start_nat removes it and loads again (an add-and-delete in every load costs ~13 ms).
+FENCE_RULES = """
+create table inet {table}
+table inet {table} {{
+  set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {entries}; counter; }}
+  counter more_refused {{ }}
+  chain out {{
+    type filter hook output priority 0; policy accept;
+    meta skgid {gid} goto fence
+  }}
+  chain fence {{
+    fib daddr type {{ local, broadcast, multicast, anycast }} goto refuse
+    ip daddr {{ {metadata} }} goto refuse
+    meta nfproto ipv6 goto refuse
+  }}
+  chain refuse {{
+    meta l4proto {{ tcp, udp }} update @refused {{ ip daddr . meta l4proto . th dport }} goto deny
+    counter name more_refused goto deny
+  }}
+  chain deny {{
+    meta l4proto tcp reject with tcp reset
+    reject
+  }}
+}}
 """
 
-# Runs as its own process: starts pasta (argv[3:]) with the guest's namespace fds (argv[2]) and
-# kills it once the guest's init (argv[1]) or pasta itself is gone. pidfds: a recycled pid
-# cannot fool it. SIGTERM is ignored so that a terminal's ^C kills pasta through the init only.
+# Runs as its own process: starts pasta (argv[6:]) in the fence's group (argv[3]) with the
+# guest's namespace fds (argv[2]); once the guest's init (argv[1]) or pasta is gone, or on SIGTERM
+# (the guest's destroy), kills pasta and removes the fence's table (argv[5]) from the host with nft
+# (argv[4]): whatever killed pytest, nothing of the guest's is left on the host, and destroy need
+# not wait for nftables' commit. pidfds: a recycled pid cannot fool it. SIGINT is ignored so
+# that a terminal's ^C kills pasta through the init only.
 _WATCHER = """
 import os, select, signal, subprocess, sys
+# SIGTERM only wakes the select below (through the wakeup fd): raised as an exception it could
+# land inside Popen, after pasta was forked and before it was ours to kill.
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGTERM, lambda *_: None)
 signal.pthread_sigmask(signal.SIG_SETMASK, ())  # pasta gets no mask from the host thread that started us
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 init = os.pidfd_open(int(sys.argv[1]))
-p = subprocess.Popen(sys.argv[3:], pass_fds=[int(f) for f in sys.argv[2].split(",")], stdin=subprocess.DEVNULL)
-select.select([init, os.pidfd_open(p.pid)], [], [])
-p.kill()
-p.wait()
+pasta = subprocess.Popen(sys.argv[6:], pass_fds=[int(f) for f in sys.argv[2].split(",")],
+                         stdin=subprocess.DEVNULL, group=int(sys.argv[3]), extra_groups=[])
+select.select([init, os.pidfd_open(pasta.pid), wake_r], [], [])
+pasta.kill()
+pasta.wait()
+subprocess.run([sys.argv[4], "delete", "table", "inet", sys.argv[5]], stdin=subprocess.DEVNULL, capture_output=True)
 """
 
 
+@dataclasses.dataclass
+class Nat:
+    """A networked guest's pasta watcher and its fence's table in the host's namespace."""
+
+    watcher: subprocess.Popen[bytes] | None
+    table: str
+    gid: int
+
+
+_ENDING: list[Nat] = []  # guests destroyed whose watchers are still removing their fences
+_ENDING_LOCK = threading.Lock()  # guests are destroyed from several threads at once
+
+
 def pasta() -> str:
-    """pasta's path; also checks for nft (the ledger and the fence's fast refusals need both)."""
+    """pasta's path; also checks for nft (the fence and the ledger need both) and for root (only
+    root can load the fence into the host's nftables: a guest never runs unfenced)."""
     found = shutil.which("pasta")
-    if found is None or _nft() is None:
+    if found is None or nft_path() is None:
         raise ProvisionError(INSTALL_HINT)
+    if os.geteuid() != 0:
+        raise ProvisionError(NEEDS_ROOT)
     return found
 
 
-def _nft() -> str | None:
+def nft_path() -> str | None:
     return shutil.which("nft") or shutil.which("nft", path=os.pathsep.join(SBIN))
-
-
-def host_addresses() -> list[str]:
-    """The host's own IPv4 addresses (every interface), to be refused inside the guest."""
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
-    found = []
-    for line in out.splitlines():
-        fields = line.split()
-        if "inet" in fields:
-            addr = fields[fields.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback and addr not in found:
-                found.append(addr)  # once: two interfaces may share one, and a second route would fail
-    return found
 
 
 def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4Network], dict[str, list[str]]]:
@@ -153,80 +230,157 @@ def receive_namespaces(ctl: socket.socket, name: str) -> dict[str, int]:
 
 
 def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
-              allowed: list[ipaddress.IPv4Network] | None = None) -> subprocess.Popen[bytes]:
-    """Attach pasta to the guest's network namespace, fence off the host and start the ledger;
-    the watcher process. ``namespaces`` (from :func:`receive_namespaces`) stay the caller's."""
+              allowed: list[ipaddress.IPv4Network] | None = None) -> Nat:
+    """Fence the guest off on the host, start its ledger and attach pasta to its network
+    namespace; the watcher process. ``namespaces`` (from :func:`receive_namespaces`) stay the caller's."""
     netns = namespaces["net"]
     # User-namespace mode: the guest's netns belongs to its user namespace, which this user
     # owns; joining that user namespace first is what gives CAP_NET_ADMIN there.
     userns = namespaces.get("user", -1)
-    binary = pasta()
+    binary, nft = pasta(), str(nft_path())
+    nat = Nat(watcher=None, table=f"{FENCE_TABLE}{init_pid}", gid=FENCE_GID_BASE + init_pid)
     fds = (netns,) if userns < 0 else (netns, userns)
     pidfile = scratch / "pasta.pid"
-    # Fence first: the guest runs nothing before create returns, and the routes do not
-    # depend on the interface pasta makes.
-    prefixes = [*PROHIBITED, *(f"{a}/32" for a in host_addresses())]
-    _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in prefixes))
-    _in_netns(netns, userns, [str(_nft()), "-f", "-"], LEDGER_RULES)
-    # As root pasta would switch to nobody and could no longer join the namespace;
-    # --runas 0 keeps it root in name, it drops its capabilities and sandboxes itself.
-    who = ["--runas", "0"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
+    rules = FENCE_RULES.format(table=nat.table, gid=nat.gid, entries=LEDGER_ENTRIES,
+                               metadata=", ".join(m.removesuffix("/32") for m in METADATA))
+    # As root pasta would switch to nobody and could no longer join the namespace; --runas 0
+    # keeps it root in name (it drops its capabilities and sandboxes itself), in the fence's group.
+    who = ["--runas", f"0:{nat.gid}"] if userns < 0 else ["--userns", f"/proc/self/fd/{userns}"]
     argv = [binary, "-f", "-q", "-4", *who, "--config-net", "--no-map-gw",
             "-t", "none", "-u", "none", "-T", "none", "-U", "none", "-P", str(pidfile),
             "--netns", f"/proc/self/fd/{netns}"]
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), *argv],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True)
+    # The host's fence loads while the guest's own routes and ledger go in (they do not depend
+    # on the interface pasta makes; the guest runs nothing before create returns); pasta starts
+    # once it holds, so it never has a socket outside it.
+    loader = subprocess.Popen([nft, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        if loader.stdin is not None:  # a ruleset of ~1 KiB: the pipe takes it whole, no wait
+            with contextlib.suppress(BrokenPipeError), loader.stdin:  # it ended: its status says why
+                loader.stdin.write(rules.encode())
+        _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
+        in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
+        loader.wait(limits.LIMITS.network_ready)  # its stderr is a line or two: no pipe fills
+    except BaseException as exc:
+        loader.kill()
+        loader.wait()
+        _drop_fence(nft, nat.table)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise ProvisionError(f"the egress fence did not load into the host's nftables within "
+                                 f"{limits.LIMITS.network_ready}s (so the guest does not start)") from None
+        raise
+    finally:
+        said = loader.stderr.read().decode(errors="replace") if loader.stderr else ""
+        if loader.stderr:
+            loader.stderr.close()
+    if loader.returncode and "File exists" in said:  # a stale table of this pid's: gone, and again
+        _drop_fence(nft, nat.table)
+        again = subprocess.run([nft, "-f", "-"], input=rules, capture_output=True, text=True, check=False)
+        loader.returncode, said = again.returncode, again.stderr
+    if loader.returncode:
+        _drop_fence(nft, nat.table)
+        raise ProvisionError(f"the egress fence could not be loaded into the host's nftables (so the guest "
+                             f"does not start): {' '.join(said.split())[:300] or 'no message'}")
+    try:
+        nat.watcher = subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(init_pid), ",".join(map(str, fds)), str(nat.gid), nft, nat.table,
+             *argv], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
+            start_new_session=True)
+    except BaseException:
+        _kill_nat(nat)
+        raise
     deadline = time.monotonic() + limits.LIMITS.network_ready
     while not pidfile.exists():
-        if watcher.poll() is not None or time.monotonic() > deadline:
-            err = watcher.stderr.read().decode(errors="replace") if watcher.stderr else ""
-            stop_nat(watcher)
+        if nat.watcher.poll() is not None or time.monotonic() > deadline:
+            _kill_nat(nat)
+            said = nat.watcher.stderr.read().decode(errors="replace") if nat.watcher.stderr else ""
+            if nat.watcher.stderr:
+                nat.watcher.stderr.close()
             pidfile.unlink(missing_ok=True)
-            raise ProvisionError(f"pasta did not start: {' '.join(err.split())[:300] or 'no message'}")
+            raise ProvisionError(f"pasta did not start: {' '.join(said.split())[:300] or 'no message'}")
         time.sleep(0.005)
     pidfile.unlink()  # the scratch dir must be empty for the guest's removal
     if allowed is not None:
         try:
             _allow_only(netns, userns, allowed)
         except BaseException:
-            stop_nat(watcher)
+            _kill_nat(nat)
             raise
-    return watcher
+    return nat
+
+
+def _drop_fence(nft: str, table: str) -> None:
+    subprocess.run([nft, "delete", "table", "inet", table], stdin=subprocess.DEVNULL, capture_output=True,
+                   check=False)  # absent already: the watcher removed it, or it was never loaded
 
 
 def _allow_only(netns: int, userns: int, allowed: list[ipaddress.IPv4Network]) -> None:
-    """Refuse every address but ``allowed``: two /1 routes to the loopback beat pasta's default
-    route, a route per allowed network (more specific) goes through pasta's gateway. The host's
-    own addresses and 169.254.0.0/16 stay refused: their /32 beats any allowed network, and an
-    allowed /32 equal to one of them is left out."""
+    """Refuse every address but ``allowed`` in the guest's own namespace: two /1 routes to the
+    loopback beat pasta's default route, a route per allowed network (more specific, or the same:
+    ``replace``) goes through pasta's gateway; 0.0.0.0/0 is pasta's default route itself, with no
+    /1 routes. The host's fence stands behind them whatever they let through."""
     probe = _ip_in(netns, userns, "route show default\n").split()  # IPv4: ip route's default family
     if "via" not in probe or "dev" not in probe:
         raise ProvisionError(f"allow_hosts: pasta gave the guest no default route ({' '.join(probe)!r})")
     gateway, dev = probe[probe.index("via") + 1], probe[probe.index("dev") + 1]
-    fenced = {ipaddress.IPv4Network(p) for p in PROHIBITED} | {
-        ipaddress.IPv4Network(f"{a}/32") for a in host_addresses()}
-    batch = "route add 0.0.0.0/1 dev lo\nroute add 128.0.0.0/1 dev lo\n"
-    for net in sorted(set(allowed) - fenced):
-        batch += f"route add {net} via {gateway} dev {dev} onlink\n"
+    everything = any(net.prefixlen == 0 for net in allowed)  # then the /1 routes would beat it
+    batch = "" if everything else "route replace 0.0.0.0/1 dev lo\nroute replace 128.0.0.0/1 dev lo\n"
+    for net in sorted(set(allowed)):
+        batch += f"route replace {net} via {gateway} dev {dev} onlink\n"
     _ip_in(netns, userns, batch)
 
 
-def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
-    """Stop pasta and its watcher now (they share a process group of their own) and reap the watcher."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(watcher.pid, signal.SIGKILL)
-    watcher.wait()
-    if watcher.stderr:
-        watcher.stderr.close()
+def stop_nat(nat: Nat) -> None:
+    """The guest is going: tell its watcher to kill pasta and remove the fence's host table, and
+    reap it (and earlier ones) once it has, without waiting here for nftables' commit."""
+    if nat.watcher is not None:
+        with contextlib.suppress(ProcessLookupError):
+            nat.watcher.send_signal(signal.SIGTERM)  # ending already if the init is gone: its own way
+        with _ENDING_LOCK:
+            _ENDING.append(nat)
+    _reap(block=False)
+
+
+def _reap(block: bool) -> None:
+    """Reap the watchers that have ended; with ``block`` (at exit), wait for each (at most the
+    destroy limit) and end what is left of one that did not, as a failed create does."""
+    with _ENDING_LOCK:
+        ending = [n for n in _ENDING if block or (n.watcher is not None and n.watcher.poll() is not None)]
+        for nat in ending:
+            _ENDING.remove(nat)
+    for nat in ending:
+        assert nat.watcher is not None
+        if block:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                nat.watcher.wait(limits.LIMITS.destroy_one_namespace_guest)
+        if nat.watcher.poll() is None:  # it did not end: its group (pasta) and table go here
+            _kill_nat(nat)
+        if nat.watcher.stderr:
+            nat.watcher.stderr.close()
+
+
+atexit.register(_reap, True)
+
+
+def _kill_nat(nat: Nat) -> None:
+    """Kill the watcher's process group (pasta with it), reap the watcher and remove the
+    fence's host table here: a guest that failed to be made, or a watcher that did not end."""
+    watcher = nat.watcher
+    if watcher is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(watcher.pid, signal.SIGKILL)
+        watcher.wait()
+    nft = nft_path()
+    if nft is not None:
+        _drop_fence(nft, nat.table)
 
 
 def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
-    return _in_netns(netns, userns, ["ip", "-batch", "-"], batch)
+    return in_netns(netns, userns, ["ip", "-batch", "-"], batch)
 
 
-def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
+def in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
     """Run ``argv`` in the guest's network namespace (and, not as root, its user namespace)."""
     enter = [f"--net=/proc/self/fd/{netns}"]
     if userns >= 0:
@@ -237,42 +391,3 @@ def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
     if done.returncode:
         raise ProvisionError(f"{argv[0]} in the guest's network namespace: {' '.join(done.stderr.split())[:300]}")
     return done.stdout
-
-
-def read_ledger(namespaces: dict[str, int]) -> list[EgressAttempt]:
-    """What the guest tried to reach so far: the ledger's two sets, most connections first."""
-    out = _in_netns(namespaces["net"], namespaces.get("user", -1),
-                    [str(_nft()), "-j", "list", "table", "inet", LEDGER_TABLE], "")
-    found: list[EgressAttempt] = []
-    for entry in json.loads(out).get("nftables", []):
-        found_set = entry.get("set") if isinstance(entry, dict) else None
-        if not isinstance(found_set, dict) or found_set.get("name") not in ("allowed", "refused"):
-            continue
-        for element in found_set.get("elem") or []:
-            try:
-                inner = element["elem"]
-                address, protocol, port = inner["val"]["concat"]
-                count = int(inner.get("counter", {}).get("packets", 0))
-                found.append(EgressAttempt(str(ipaddress.IPv4Address(address)), str(protocol), int(port),
-                                           found_set["name"] == "allowed", count))
-            except (KeyError, TypeError, ValueError):
-                continue  # a shape this nft does not write: skipped, never a crash at teardown
-    return sorted(found, key=lambda a: (-a.connections, a.address, a.port))
-
-
-def render_ledger(rows: list[EgressAttempt]) -> str:
-    attempts = [a for a in rows if a.protocol != "dns"]
-    names = [a for a in rows if a.protocol == "dns"]
-    if not attempts and not names:
-        return "egress: the guest attempted no connection and asked DNS for no name"
-    lines = [f"egress ledger ({len(attempts)} destination(s), "
-             f"{sum(a.connections for a in attempts if not a.allowed)} refused connection(s)):"]
-    lines += [f"  {a.render()}" for a in attempts[:LEDGER_ROWS]]
-    if len(attempts) > LEDGER_ROWS:
-        lines.append(f"  ... {len(attempts) - LEDGER_ROWS} more")
-    if names:
-        lines.append(f"dns names asked ({len(names)} name(s), {sum(1 for a in names if not a.allowed)} refused):")
-        lines += [f"  {inert(a.render())}" for a in names[:LEDGER_ROWS]]  # escaped already; twice is cheap
-        if len(names) > LEDGER_ROWS:
-            lines.append(f"  ... {len(names) - LEDGER_ROWS} more")
-    return "\n".join(lines)
