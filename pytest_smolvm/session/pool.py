@@ -27,7 +27,7 @@ from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import Backend, BackendOptions, EgressAttempt, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
+from pytest_smolvm.errors import ClosedError, GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import procs, registry
 from pytest_smolvm.host.signals import signals_deferred
@@ -54,6 +54,7 @@ class LiveGuest:
     slot: capacity.Slot | None = None
     egress: list[EgressAttempt] = field(default_factory=list)  # read just before it went
     admitted: admission.Slot | None = None  # its place among the guests alive on this host
+    claimed: bool = False  # handed to its one teardown (destroy, release, keep): see GuestPool._claim
 
 
 class GuestPool:
@@ -76,6 +77,11 @@ class GuestPool:
         self._ahead: Ahead[LiveGuest] = Ahead(self.release)
         self._creates = Shielded("smolvm-create")  # the main thread's creates: see _create_once
         self._make_ahead: bool | None = None  # decided on the first guest
+        # Closed-resource discipline: close() refuses new creates, waits (within its deadline)
+        # for those in flight, and a create that ends after close() gave up destroys its guest.
+        self._life = threading.Condition()
+        self._closed = False
+        self._creating = 0  # create() calls in flight
 
     # ------------------------------------------------------------------ plan and backend
 
@@ -135,8 +141,28 @@ class GuestPool:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
         ``ahead=False``: make no guest ahead (concurrent tests make theirs at once); ``waiting(why)``
-        runs when admission control holds it back. Raises ProvisionError or UsageError (bad spec).
+        runs when admission control holds it back. Raises ProvisionError, UsageError (bad spec)
+        or ClosedError (the pool is closed, or closed while this create ran: nothing is left).
         """
+        with self._life:
+            if self._closed:
+                raise ClosedError("GuestPool.create: the pool is closed")
+            self._creating += 1
+        try:
+            live = self._create(test_id, spec, setup, ahead, waiting)
+            with self._life:
+                closed = self._closed
+            if closed:  # close() took what it found; whatever it missed is this call's to destroy
+                self.destroy(live)  # (a no-op if close() claimed it first)
+                raise ClosedError("GuestPool.create: the pool was closed while the guest was made")
+            return live
+        finally:
+            with self._life:
+                self._creating -= 1
+                self._life.notify_all()
+
+    def _create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None, ahead: bool,
+                waiting: Callable[[str], None] | None) -> LiveGuest:
         self.warn_teardown_failures()
         base = self.baseline_for(spec.image)
         if setup:
@@ -159,7 +185,9 @@ class GuestPool:
             live = self._create_now(test_id, spec, base, started, waiting)
         # After this test's own guest, never before: the two would queue on one engine.
         if ahead:
-            self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
+            with self._life:  # never after close() cancelled what was made ahead
+                if not self._closed:
+                    self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
         return live
 
     @property
@@ -270,9 +298,20 @@ class GuestPool:
                 output_limit=spec.output_limit or self.settings.output_limit)
         return LiveGuest(vm, record, guest)
 
+    def _claim(self, live: LiveGuest) -> bool:
+        """Take ``live`` out of :attr:`live` for its one teardown; False if another path has it."""
+        with self._life:
+            if live.claimed:
+                return False
+            live.claimed = True
+            self.live.pop(live.vm.name, None)
+            return True
+
     def keep(self, live: LiveGuest) -> None:
         """Leave ``live`` running for ``pytest-smolvm shell``; if that fails, destroy it (in the
         background) and raise: a kept guest nobody can enter is a leak."""
+        if not self._claim(live):
+            return
         self._note_egress(live)
         try:
             live.guest.keep()
@@ -280,7 +319,7 @@ class GuestPool:
             live.record.kept = True
             live.record.save()
         except BaseException:
-            self.release(live)
+            self._teardown.submit(live)
             raise
         if live.slot is not None:
             live.slot.release()  # a kept guest no longer counts against this run's cap
@@ -288,7 +327,6 @@ class GuestPool:
         if live.admitted is not None:
             live.admitted.release()
             live.admitted = None
-        self.live.pop(live.vm.name, None)
 
     def release(self, live: LiveGuest) -> None:
         """Forget ``live`` now and destroy it in the background (see :meth:`destroy`).
@@ -297,16 +335,18 @@ class GuestPool:
         process's next guest call, or at :meth:`close`.
         """
         started = time.monotonic()
+        if not self._claim(live):
+            return  # already on its way (close() raced its owner)
         self._note_egress(live)
-        self.live.pop(live.vm.name, None)
         self._teardown.submit(live)
         live.destroy_seconds = time.monotonic() - started  # what the test waited; the rest is off its path
 
     def destroy(self, live: LiveGuest) -> bool:
         """Destroy and forget; on failure (or past the time bound) warn and leave the record. Never raises."""
         started = time.monotonic()
+        if not self._claim(live):
+            return True  # another path destroys it
         self._note_egress(live)
-        self.live.pop(live.vm.name, None)
         with signals_deferred():
             error = self._destroy_now(live)
         live.destroy_seconds = time.monotonic() - started
@@ -343,24 +383,40 @@ class GuestPool:
                                     "run 'pytest-smolvm reap' to remove it"), stacklevel=3)
 
     def close(self) -> list[str]:
-        """Destroy whatever this process still has alive, then release its own backend.
+        """Refuse new creates, wait for those in flight, destroy whatever this process still has
+        alive (in parallel), then release its own backend: all of it within one ``close_wait``.
 
-        Returns the problems met (never raises): the caller turns them into a warning.
+        Returns the problems met (never raises): the caller turns them into a warning. Callable
+        from any thread, and more than once.
         """
         problems: list[str] = []
         wait = limits.LIMITS.close_wait
         deadline = time.monotonic() + wait
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        with self._life:
+            self._closed = True
         with signals_deferred():  # a second Ctrl-C must not cut the last destroys in half
-            # Every wait here is bounded, the signals being held: past close_wait what is still
-            # under way is left to the reaper (its records stay).
-            self._ahead.cancel(wait)
-            if not self._creates.wait(max(0.0, deadline - time.monotonic())):
+            # Every wait here is bounded by the one deadline, the signals being held: past
+            # close_wait what is still under way is left to the reaper (its records stay).
+            with self._life:
+                while self._creating and self._life.wait(left()):
+                    pass
+                if self._creating:
+                    problems.append(f"{self._creating} create(s) still under way after {wait:g}s: each destroys "
+                                    "its guest when it ends (or its record stays for the reaper)")
+            self._ahead.cancel(left())
+            if not self._creates.wait(left()):
                 problems.append(f"an interrupted create did not end within {wait:g}s: its record stays for the reaper")
-            for live in self._teardown.drain(max(0.0, deadline - time.monotonic())):
+            for live in list(self.live.values()):
+                if self._claim(live):
+                    self._note_egress(live)
+                    self._teardown.submit(live)  # in parallel: one hung destroy holds no other
+            for live in self._teardown.drain(left()):
                 problems.append(f"guest {live.vm.name}: its destroy did not end within {wait:g}s: "
                                 "its record stays for the reaper")
-            for live in list(self.live.values()):
-                self.destroy(live)
         self.warn_teardown_failures()
         backend, self._backend = self._backend, None
         if backend is None or (isinstance(self._plans, Planner) and backend is self._plans.backend):
