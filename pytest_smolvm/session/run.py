@@ -117,7 +117,8 @@ class SmolRun:
         """End of this process's part: its guests, then (in the owner) the run's backend.
 
         Callable from any thread, more than once, and never raises: each step runs whatever
-        the one before it met, and its problem is returned. The signal handlers can be put
+        the one before it met, and its problem is returned (a Ctrl-C the pool's close held is
+        delivered once every step has run: the run's backend, a cloud source, still goes). The signal handlers can be put
         back only from the main thread: from another, they stay, passing every signal to the
         handler they replaced (the run is closed), until a later close() on the main thread.
         """
@@ -132,11 +133,16 @@ class SmolRun:
                       lambda: service.close() if service is not None else None,
                       lambda: self._planner.close() if self._planner is not None else None]
         steps += [self._restore_signals, _stop_unpacker]
+        interrupted: BaseException | None = None
         for step in steps:
             try:
                 problems += step() or []
             except Exception as exc:  # never raises: the next steps still run
                 problems.append(f"{type(exc).__name__}: {exc}")
+            except BaseException as exc:  # a Ctrl-C held by the pool's close: delivered once all ran
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
         return problems
 
     def _restore_signals(self) -> None:
