@@ -118,9 +118,10 @@ class SmolRun:
 
         Callable from any thread, more than once, and never raises: each step runs whatever
         the one before it met, and its problem is returned (a Ctrl-C the pool's close held is
-        delivered once every step has run: the run's backend, a cloud source, still goes). The signal handlers can be put
-        back only from the main thread: from another, they stay, passing every signal to the
-        handler they replaced (the run is closed), until a later close() on the main thread.
+        delivered once every step has run: the run's backend, a cloud source, still goes). The
+        signal handlers can be put back only from the main thread: from another, they stay,
+        passing every signal to the handler they replaced (the run is closed), until a later
+        close() on the main thread.
         """
         with self._lock:
             first, self._closed = not self._closed, True
