@@ -95,8 +95,7 @@ class SmolBackend:
         # derived baseline digest -> the setup that makes it, run in its source before any branch
         self._populate: dict[str, Callable[[SmolGuest], None]] = {}
         self.ttl_seconds = ttl_seconds if target == "cloud" else None  # the local engine ignores TTLs
-        # Read from limits.LIMITS now, not bound as default arguments at import: a conftest that
-        # replaces LIMITS (limits.py) changes these as it changes every other limit.
+        # Read now, not bound at import as default arguments: a conftest may replace limits.LIMITS.
         self.default_cpus = cpus if cpus is not None else limits.LIMITS.cpus
         self.default_memory_mb = memory_mb if memory_mb is not None else limits.LIMITS.memory_mb
         self.ready_timeout = ready_timeout if ready_timeout is not None else limits.LIMITS.smol_ready
