@@ -96,7 +96,7 @@ def test_ahead_take_from_many_threads_at_once_never_fails(switching_often: None)
         ahead.start(key, lambda: next(made))
         together = threading.Barrier(6)
 
-        def take() -> None:
+        def take(together: threading.Barrier = together) -> None:
             together.wait()
             try:
                 taken.append(ahead.take(key))
