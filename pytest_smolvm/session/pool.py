@@ -65,9 +65,7 @@ class GuestPool:
         self._ahead: Ahead[LiveGuest] = Ahead(self.release)
         self._creates = Shielded("smolvm-create")  # the main thread's creates: see _create_once
         self._make_ahead: bool | None = None  # decided on the first guest
-        # Closed-resource discipline: close() refuses new creates, waits (within its deadline)
-        # for those in flight, and a create that ends after close() gave up destroys its guest.
-        self._life = threading.Condition()
+        self._life = threading.Condition()  # closed and creating: see create() and close()
         self._closed = False
         self._creating = 0  # create() calls in flight
 
@@ -141,7 +139,9 @@ class GuestPool:
             with self._life:
                 closed = self._closed
             if closed:  # close() took what it found; whatever it missed is this call's to destroy
-                self.destroy(live)  # (a no-op if close() claimed it first)
+                self.destroy(live)  # (a no-op if close() claimed it first: before its slot was set)
+                if live.admitted is not None:  # (a release twice is a no-op)
+                    live.admitted.release()
                 raise ClosedError("GuestPool.create: the pool was closed while the guest was made")
             return live
         finally:
