@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -183,7 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        code = int(args.run(args))
+        sys.stdout.flush()  # here, not at exit: a closed pipe is met where it is handled
+    except BrokenPipeError:
+        # The reader went away (`pytest-smolvm ls | head`): the rest of the output is nobody's.
+        # stdout goes to /dev/null so that the interpreter's own flush at exit fails no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE  # what a command killed by SIGPIPE, as coreutils', reports
+    return code
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ class MarkerError(UsageError):
     """A bad ``smol`` marker or factory keyword: that one test errors, the run goes on."""
 
 
+class ClosedError(UsageError):
+    """A guest asked of a Session (or a pool) that is closed or closing: nothing was made."""
+
+
 class ProvisionError(SmolVMError):
     """The backend could not make a guest: infrastructure, not the test's fault."""
 

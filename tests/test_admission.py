@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.session import admission
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HOLD_SLOT_0 = """
 import fcntl, os, sys
@@ -125,3 +130,92 @@ def test_waiters_of_one_process_do_not_all_poll(smol_state: Path, monkeypatch: p
     assert released == 20 and not any(w.is_alive() for w in waiters)
     elsewhere.close()
     gate.close()
+
+
+SECOND_PROCESS = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from pytest_smolvm.session import admission
+gate = admission.Gate("alive", 400)
+before = len(os.listdir("/proc/self/fd"))
+slot = gate.acquire()
+print(slot.index, len(os.listdir("/proc/self/fd")) - before, flush=True)
+slot.release()
+"""
+
+
+def test_a_second_process_under_a_256_fd_limit_is_admitted_beside_300_held_slots(smol_state: Path) -> None:
+    """Issue 43: a scan kept an fd open for every slot it passed; a process with the common
+    small limit failed with EMFILE (a raw OSError) while another held a few hundred guests."""
+    holder = admission.Gate("alive", 400)
+    held = [holder.acquire() for _ in range(300)]
+    try:
+        done = subprocess.run([sys.executable, "-c", SECOND_PROCESS], capture_output=True, text=True, timeout=60,
+                              env={"PYTEST_SMOLVM_STATE_DIR": str(smol_state), "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr
+        index, more_fds = map(int, done.stdout.split())
+        assert index == 300
+        assert more_fds <= 1, f"{more_fds} fds held for one slot"
+    finally:
+        for slot in held:
+            slot.release()
+        holder.close()
+
+
+def test_a_slot_file_that_cannot_be_opened_is_a_provision_error(smol_state: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*_args: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    gate = admission.Gate("test-emfile", 2)
+    monkeypatch.setattr(admission.os, "open", full)
+    with pytest.raises(ProvisionError, match=r"^admission: cannot open \S+test-emfile-0.lock \(Too many open files, "
+                                             r"0 test-emfile slots held by this process\): raise the open-file limit"):
+        gate.acquire()
+
+
+def test_a_waiter_sleeps_until_a_slot_is_freed_in_another_process(smol_state: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No polling while nothing changes (it tried every slot every 20 ms), and a slot freed by
+    another process admits the waiter at once."""
+    other = subprocess.Popen([sys.executable, "-c", """
+import sys
+from pytest_smolvm.session import admission
+gate = admission.Gate("test-sleep", 4)
+held = [gate.acquire() for _ in range(4)]
+print("held", flush=True)
+sys.stdin.readline()
+held[2].release()
+print("freed", flush=True)
+sys.stdin.readline()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={"PYTEST_SMOLVM_STATE_DIR": str(smol_state), "PYTHONPATH": str(ROOT)})
+    gate = admission.Gate("test-sleep", 4)
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        calls = [0]
+        real_flock = admission.fcntl.flock
+
+        def counting(fd: int, operation: int) -> None:
+            calls[0] += 1
+            real_flock(fd, operation)
+
+        monkeypatch.setattr(admission.fcntl, "flock", counting)
+        got: list[admission.Slot] = []
+        waiter = threading.Thread(target=lambda: got.append(gate.acquire()))
+        waiter.start()
+        time.sleep(0.9)
+        assert calls[0] <= 8, f"{calls[0]} lock tries in 0.9 s with nothing freed"  # was 4 every 20 ms: ~180
+        assert other.stdin is not None
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline() == "freed\n"
+        freed = time.monotonic()
+        waiter.join(5)
+        assert [s.index for s in got] == [2]
+        assert time.monotonic() - freed < 0.5, "admitted only by the backstop rescan, not by the release"
+        got[0].release()
+    finally:
+        other.kill()
+        other.wait()
+        gate.close()

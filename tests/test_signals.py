@@ -233,3 +233,41 @@ def test_guests_made_from_a_thread_that_blocks_signals_start_with_none_blocked(s
                           timeout=120, env=os.environ.copy())
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["143", "0000000000000000"], done.stdout + done.stderr
+
+
+RESTORE_CUT_SHORT = """
+import signal
+from pytest_smolvm.host import signals
+
+SIGS = signals.DEFERRED_SIGNALS
+before = {s: signal.getsignal(s) for s in SIGS}
+real = signal.signal
+
+def landing(sig, handler):
+    # A Ctrl-C arriving the moment SIGINT's own handler is back: it raises right there.
+    previous = real(sig, handler)
+    if sig == signal.SIGINT and handler is not signals._hold:
+        signal.signal = real
+        raise KeyboardInterrupt
+    return previous
+
+signal.signal = landing
+try:
+    with signals.signals_deferred():
+        pass
+except KeyboardInterrupt:
+    print("interrupted")
+print("restored", {s: signal.getsignal(s) for s in SIGS} == before)
+with signals.signals_deferred():
+    print("deferring", all(signal.getsignal(s) is signals._hold for s in SIGS))
+print("restored", {s: signal.getsignal(s) for s in SIGS} == before)
+"""
+
+
+def test_a_signal_landing_as_the_handlers_come_back_leaves_deferral_working(tmp_path: Path) -> None:
+    """Issue 43: the depth counter was reset after the handlers were restored; an interrupt in
+    between left it at 1 (every later deferral deferred nothing) and the later handlers holding."""
+    done = subprocess.run([sys.executable, "-c", RESTORE_CUT_SHORT], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["interrupted", "restored True", "deferring True", "restored True"]

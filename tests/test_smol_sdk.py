@@ -112,3 +112,20 @@ def test_the_cloud_backend_guards_the_proxy_lookup(monkeypatch: pytest.MonkeyPat
     assert urllib.request.getproxies is not plain and urllib.request.getproxies.__wrapped__ is plain  # type: ignore[attr-defined]
     SmolBackend(BackendOptions(target="cloud"))  # a second backend does not wrap the lookup twice
     assert urllib.request.getproxies.__wrapped__ is plain  # type: ignore[attr-defined]
+
+
+def test_a_conftest_that_replaces_limits_changes_the_smol_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: the defaults were bound as default arguments at import, so replacing
+    ``limits.LIMITS`` (as limits.py tells a conftest to) changed nothing here."""
+    import dataclasses
+
+    from pytest_smolvm import limits
+    from pytest_smolvm.backends.base import BackendOptions
+    from pytest_smolvm.backends.smol.backend import SmolBackend
+
+    monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, cpus=3, memory_mb=777, smol_ready=9.0))
+    backend = SmolBackend(BackendOptions(target="local"))
+    try:
+        assert (backend.default_cpus, backend.default_memory_mb, backend.ready_timeout) == (3, 777, 9.0)
+    finally:
+        backend.close()

@@ -34,8 +34,8 @@ import pytest
 from pytest_smolvm.backends.base import egress_counts
 from pytest_smolvm.evals import causes
 from pytest_smolvm.evals import params as line_params
+from pytest_smolvm.evals.glue import PluginGlue
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
-from pytest_smolvm.plugin import artifacts, xdist
 
 if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
@@ -200,19 +200,17 @@ EPISODE_KEY = pytest.StashKey[Episode]()
 REPORTS_KEY = pytest.StashKey[_Reports]()
 
 
-def install(config: pytest.Config, run: SmolRun) -> EpisodesPlugin:
+def install(config: pytest.Config, run: SmolRun, glue: PluginGlue) -> EpisodesPlugin:
     """From the plugin, when result lines or episodes are first due (see hooks.episodes_plugin)."""
-    workerinput = xdist.worker_input(config)
+    workerinput = glue.worker_input(config)
     results = run.settings.results
     if workerinput is not None:
-        given = workerinput.get(xdist.RESULTS_PATH)
+        given = workerinput.get(glue.results_path)
         results = Path(given) if given else None  # the controller's resolved path, or none at all
-    plugin = EpisodesPlugin(config, run, results, controller=workerinput is None)
+    plugin = EpisodesPlugin(config, run, results, controller=workerinput is None, glue=glue)
     config.pluginmanager.register(plugin, "smolvm-episodes")
-    glue = xdist.controller(config)
-    if glue is not None:
-        glue.tell_workers(xdist.RESULTS_PATH,
-                          lambda: str(plugin.results.resolve()) if plugin.results is not None else "")
+    glue.tell_workers(config, glue.results_path,
+                      lambda: str(plugin.results.resolve()) if plugin.results is not None else "")
     return plugin
 
 
@@ -246,8 +244,9 @@ def episode_of(item: pytest.Item) -> Episode:
 
 class EpisodesPlugin:
     def __init__(self, config: pytest.Config, run: SmolRun, results: Path | None, *,
-                 controller: bool) -> None:
+                 controller: bool, glue: PluginGlue) -> None:
         self.config = config
+        self.glue = glue
         self.run = run
         self.results = results
         self.controller = controller
@@ -269,7 +268,7 @@ class EpisodesPlugin:
             line = self.result_line(item, reports)
             # An attribute, not a user property: xdist carries it to the controller all the same
             # (reports travel as their __dict__), and JUnit XML is spared a JSON blob per test.
-            setattr(report, xdist.RESULT_ATTR, line)
+            setattr(report, self.glue.result_attr, line)
             if line.get("reward") is not None:
                 report.user_properties = [*report.user_properties, (REWARD_PROPERTY, line["reward"])]
             self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
@@ -289,7 +288,7 @@ class EpisodesPlugin:
         if spec is not None and callspec is not None:
             case = _case_id(callspec.id, f"ep{spec.index}")
         function = item.nodeid[: -len(callspec.id) - 2] if callspec else item.nodeid
-        guests = artifacts.finished_guests(item)
+        guests = self.glue.finished_guests(item)
         first = guests[0].vm if guests else None
         durations = {when: round(rep.duration, 6) for when, rep in reports.items()}
         durations["provision"] = round(sum(g.provision_seconds for g in guests), 6)
@@ -316,7 +315,7 @@ class EpisodesPlugin:
             "baseline_digest": first.digest if first else None,
             "worker": self.run.worker,
             "run_id": self.run.run_id,
-            "artifacts": artifacts.saved_dir(item),
+            "artifacts": self.glue.saved_dir(item),
         }
 
     def write(self, line: Mapping[str, Any]) -> None:
@@ -343,7 +342,7 @@ class EpisodesPlugin:
         if not self.controller:
             return
         if report.when == "teardown":
-            line = getattr(report, xdist.RESULT_ATTR, None)
+            line = getattr(report, self.glue.result_attr, None)
             if isinstance(line, dict):
                 self.lines.append(line)
         elif str(report.when) == "???":  # xdist's report for a test whose worker died under it

@@ -1,6 +1,7 @@
 """``smol_vm.aio``: the same guest as an async handle, for asyncio, anyio and trio code.
 
-Each call runs the blocking call on a thread (a kept one when one is idle: host/threads.py),
+Each call runs the blocking call on a thread (host/threads.py's Workers: a kept one when one is idle, at
+most Workers' bound at once),
 so concurrent awaits run concurrently (the guest serves them at once) and the event loop never blocks. Cancelling
 the awaiting task kills the guest command: the exec's :class:`~pytest_smolvm.backends.Cancel`
 is fired, and the backend kills the command's process group in the guest.
@@ -20,11 +21,11 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.handle.base import GuestHandle
 from pytest_smolvm.handle.result import ExecResult
-from pytest_smolvm.host.threads import KeptThreads
+from pytest_smolvm.host.threads import Workers
 
 T = TypeVar("T")
 P = ParamSpec("P")
-_THREADS = KeptThreads("smol-vm-aio")  # signals stay with the main thread
+_THREADS = Workers("smol-vm-aio")  # kept, bounded threads; signals stay with the main thread
 
 
 def _awaited(method: Callable[Concatenate[GuestHandle, P], T]) -> Callable[Concatenate[AsyncVM, P], Awaitable[T]]:

@@ -24,11 +24,32 @@ DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _held: list[int] = []  # what arrived while deferred, once each, in order
 _depth = 0  # signals_deferred nesting in the main thread (close() holds destroy())
+_replaced: dict[int, Any] = {}  # the handler _hold replaced, by signal: see _previous
 
 
 def _hold(signum: int, _frame: FrameType | None) -> None:
     if signum not in _held:
         _held.append(signum)
+
+
+def _previous(sig: signal.Signals) -> Any:
+    """The handler in place, or, where an interrupt cut a restore short and left ``_hold``
+    there, the one ``_hold`` had replaced: never ``_hold`` itself, which would swallow the
+    signal for the rest of the process."""
+    handler = signal.getsignal(sig)
+    return _replaced.get(sig, signal.SIG_DFL) if handler is _hold else handler
+
+
+def _restore(handlers: list[tuple[signal.Signals, Any]]) -> None:
+    """Put ``handlers`` back, each in the ``finally`` of the one before: a signal whose own
+    handler raises the moment it is back (Ctrl-C) cannot leave the others holding."""
+    if not handlers:
+        return
+    (sig, handler), rest = handlers[0], handlers[1:]
+    try:
+        signal.signal(sig, handler)
+    finally:
+        _restore(rest)
 
 
 @contextlib.contextmanager
@@ -52,16 +73,20 @@ def signals_deferred() -> Iterator[None]:
         return
     previous: dict[signal.Signals, Any] = {}
     try:
+        _held.clear()  # nothing a cut-short end left behind is delivered twice
         for sig in DEFERRED_SIGNALS:
-            handler = signal.getsignal(sig)
+            handler = _previous(sig)
             if handler is signal.SIG_IGN or handler is None:
                 continue  # ignored (nohup), or not Python's to handle: left as it is
-            previous[sig] = signal.signal(sig, _hold)
+            _replaced[sig] = handler
+            previous[sig] = handler
+            signal.signal(sig, _hold)
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        # The depth first: a signal landing once the handlers are back raises right here, and
+        # a depth left at 1 turned every later deferral into a nested one that defers nothing.
         _depth = 0
+        _restore(list(previous.items()))
         held = [s for s in _held if s in previous]
         _held.clear()
         for s in held:  # to this thread, with its own handlers back: Ctrl-C raises right here

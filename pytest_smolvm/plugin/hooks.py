@@ -127,8 +127,17 @@ def episodes_plugin(config: pytest.Config) -> EpisodesPlugin:
     found: EpisodesPlugin | None = config.pluginmanager.get_plugin("smolvm-episodes")
     if found is None:
         from pytest_smolvm.evals import episodes
+        from pytest_smolvm.evals.glue import PluginGlue
+        from pytest_smolvm.plugin import artifacts
 
-        found = episodes.install(config, config.stash[RUN_KEY])
+        def tell_workers(config: pytest.Config, key: str, value: Callable[[], str]) -> None:
+            controller = xdist.controller(config)
+            if controller is not None:
+                controller.tell_workers(key, value)
+
+        found = episodes.install(config, config.stash[RUN_KEY], PluginGlue(
+            xdist.worker_input, tell_workers, xdist.RESULTS_PATH, xdist.RESULT_ATTR,
+            artifacts.finished_guests, artifacts.saved_dir))
     return found
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from pytest_smolvm.errors import UsageError
+from pytest_smolvm.errors import ClosedError, UsageError
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MarkerSpec, Settings
@@ -85,11 +85,17 @@ class Session:
         ``label`` shows in ``pytest-smolvm ls`` where a test id would. Raises ``UsageError`` for
         a bad keyword and ``ProvisionError`` when the backend could not make the guest.
         """
+        closed = ClosedError("Session.create: the session is closed")
         if self._closed:
-            raise UsageError("Session.create: the session is closed")
+            raise closed
         spec = MarkerSpec().merged(keywords, "Session.create")
-        live = self._run.pool.create(f"library:{label}" if label else "library", spec, self._setup)
+        try:  # the pool waits, at close, for the creates in flight, and destroys what they made
+            live = self._run.pool.create(f"library:{label}" if label else "library", spec, self._setup)
+        except ClosedError:
+            raise closed from None
         with self._lock:
+            if self._closed:  # closed as it returned: the pool's close() has it
+                raise closed
             self._live[live.vm.name] = live
         return live.vm
 
@@ -108,16 +114,22 @@ class Session:
         """Destroy every guest still alive (or keep them, with ``keep=True`` or ``keep='always'``:
         recorded as kept, for ``pytest-smolvm shell`` and ``pytest-smolvm reap --kept``) and end the run.
 
-        Returns the problems met, which were also left to the reaper; never raises.
+        Returns the problems met, which were also left to the reaper; never raises, from any
+        thread (a create in flight meanwhile ends in ``ClosedError``, its guest destroyed).
         """
-        if self._closed:
-            return []
-        self._closed = True
         with self._lock:
+            first, self._closed = not self._closed, True
             remaining, self._live = list(self._live.values()), {}
+        if not first:
+            return self._run.close()  # nothing left to do but, on the main thread, the signals
         if remaining and (keep or self._run.settings.keep == "always"):
-            for live in remaining:
-                self._run.pool.keep(live)
+            try:
+                pool = self._run.pool
+                for live in remaining:
+                    pool.keep(live)
+            except Exception as exc:  # the rest are destroyed by the run's close
+                problems = [f"keep: {type(exc).__name__}: {exc}"]
+                return problems + self._run.finish()
         return self._run.finish()  # destroys what is still alive, ends the run, reaps its leftovers
 
     def __enter__(self) -> Session:

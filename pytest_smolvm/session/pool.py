@@ -21,18 +21,19 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends import backend_class
-from pytest_smolvm.backends.base import Backend, BackendOptions, EgressAttempt, Guest, VMSpec
+from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
-from pytest_smolvm.errors import GuestError, MarkerError, ProvisionError, SmolVMWarning, UsageError
+from pytest_smolvm.errors import ClosedError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.handle.vm import VM
-from pytest_smolvm.host import procs, registry
+from pytest_smolvm.host import registry
 from pytest_smolvm.host.signals import signals_deferred
-from pytest_smolvm.session import admission, capacity
+from pytest_smolvm.session import admission
 from pytest_smolvm.session.background import Ahead, Shielded, Teardown, attempts_within
+from pytest_smolvm.session.live import LiveGuest as LiveGuest  # where plugin/ and evals/ import it from
+from pytest_smolvm.session.live import note_egress, still_running
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
 from pytest_smolvm.session.warm import BaselineSetup, WarmBaselines
@@ -42,18 +43,6 @@ PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
 READY_TEST_ID = "(made ahead for the next test)"
 AHEAD_DEPTH = 2  # guests made ahead at once where there are this many cores per worker
-
-
-@dataclass
-class LiveGuest:
-    vm: VM
-    record: registry.Record
-    guest: Guest  # kept out of the VM's public surface
-    provision_seconds: float = 0.0
-    destroy_seconds: float = 0.0
-    slot: capacity.Slot | None = None
-    egress: list[EgressAttempt] = field(default_factory=list)  # read just before it went
-    admitted: admission.Slot | None = None  # its place among the guests alive on this host
 
 
 class GuestPool:
@@ -76,6 +65,9 @@ class GuestPool:
         self._ahead: Ahead[LiveGuest] = Ahead(self.release)
         self._creates = Shielded("smolvm-create")  # the main thread's creates: see _create_once
         self._make_ahead: bool | None = None  # decided on the first guest
+        self._life = threading.Condition()  # closed and creating: see create() and close()
+        self._closed = False
+        self._creating = 0  # create() calls in flight
 
     # ------------------------------------------------------------------ plan and backend
 
@@ -135,8 +127,30 @@ class GuestPool:
         """Record, then create; retry what the backend calls retryable, with backoff.
 
         ``ahead=False``: make no guest ahead (concurrent tests make theirs at once); ``waiting(why)``
-        runs when admission control holds it back. Raises ProvisionError or UsageError (bad spec).
+        runs when admission control holds it back. Raises ProvisionError, UsageError (bad spec)
+        or ClosedError (the pool is closed, or closed while this create ran: nothing is left).
         """
+        with self._life:
+            if self._closed:
+                raise ClosedError("GuestPool.create: the pool is closed")
+            self._creating += 1
+        try:
+            live = self._create(test_id, spec, setup, ahead, waiting)
+            with self._life:
+                closed = self._closed
+            if closed:  # close() took what it found; whatever it missed is this call's to destroy
+                self.destroy(live)  # (a no-op if close() claimed it first: before its slot was set)
+                if live.admitted is not None:  # (a release twice is a no-op)
+                    live.admitted.release()
+                raise ClosedError("GuestPool.create: the pool was closed while the guest was made")
+            return live
+        finally:
+            with self._life:
+                self._creating -= 1
+                self._life.notify_all()
+
+    def _create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None, ahead: bool,
+                waiting: Callable[[str], None] | None) -> LiveGuest:
         self.warn_teardown_failures()
         base = self.baseline_for(spec.image)
         if setup:
@@ -146,12 +160,12 @@ class GuestPool:
             return self._create_now(test_id, spec, base, started, waiting)
         key = (base.digest, repr(spec))
         live = self._ahead.take(key)
-        if live is not None and not _still_running(live.guest):
+        if live is not None and not still_running(live.guest):
             self.release(live)  # it died while it waited (its init killed, OOM): destroyed, not handed out
             live = None
         if live is not None:  # made ahead, idle and free until now: admitted as it starts to count
             alive = self._admission()[0]
-            live.admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
+            live.admitted = alive.acquire(alive.on_wait(waiting))
             live.record.test_id = test_id
             live.record.save()
             live.provision_seconds = time.monotonic() - started
@@ -159,7 +173,9 @@ class GuestPool:
             live = self._create_now(test_id, spec, base, started, waiting)
         # After this test's own guest, never before: the two would queue on one engine.
         if ahead:
-            self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
+            with self._life:  # never after close() cancelled what was made ahead
+                if not self._closed:
+                    self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
         return live
 
     @property
@@ -183,19 +199,18 @@ class GuestPool:
             self._ahead.depth = AHEAD_DEPTH if cores >= AHEAD_DEPTH * self.workers else 1
         return self._make_ahead
 
-    def _admission(self) -> tuple[admission.Gate | None, admission.Gate]:
+    def _admission(self) -> tuple[admission.Gate, admission.Gate]:
         """The host-wide gates: guests alive (``--smol-max-vms`` is that bound where given) and
         guests being created at once, sized from what this host can hold."""
         plan = self.plan
         alive, creating = admission.bounds(backend_class(plan.backend), plan.target)
-        alive_gate = None if self.settings.max_vms else admission.gate(admission.ALIVE, alive)
-        return alive_gate, admission.gate(admission.CREATING, creating)
+        return (admission.gate(admission.ALIVE, self.settings.max_vms or alive, fixed=bool(self.settings.max_vms)),
+                admission.gate(admission.CREATING, creating))
 
     def _create_now(self, test_id: str, spec: MarkerSpec, base: Baseline, started: float,
                     waiting: Callable[[str], None] | None = None) -> LiveGuest:
-        slot = capacity.acquire(self.settings.max_vms) if self.settings.max_vms else None
         alive, creating = self._admission()
-        admitted = alive.acquire(alive.on_wait(waiting)) if alive is not None else None
+        admitted = alive.acquire(alive.on_wait(waiting))
         try:
             for attempt in range(1, PROVISION_ATTEMPTS + 1):
                 try:
@@ -211,13 +226,10 @@ class GuestPool:
                     time.sleep(PROVISION_BACKOFF * 2 ** (attempt - 1))
                     continue
                 live.provision_seconds = time.monotonic() - started
-                live.slot, live.admitted = slot, admitted
+                live.admitted = admitted
                 return live
         except BaseException:
-            if slot is not None:
-                slot.release()
-            if admitted is not None:
-                admitted.release()
+            admitted.release()
             raise
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -270,25 +282,32 @@ class GuestPool:
                 output_limit=spec.output_limit or self.settings.output_limit)
         return LiveGuest(vm, record, guest)
 
+    def _claim(self, live: LiveGuest) -> bool:
+        """Take ``live`` out of :attr:`live` for its one teardown; False if another path has it."""
+        with self._life:
+            if live.claimed:
+                return False
+            live.claimed = True
+            self.live.pop(live.vm.name, None)
+            return True
+
     def keep(self, live: LiveGuest) -> None:
         """Leave ``live`` running for ``pytest-smolvm shell``; if that fails, destroy it (in the
         background) and raise: a kept guest nobody can enter is a leak."""
-        self._note_egress(live)
+        if not self._claim(live):
+            return
+        note_egress(live)
         try:
             live.guest.keep()
             live.record.data = live.guest.registry_data()  # a kept guest may say more (a shell door)
             live.record.kept = True
             live.record.save()
         except BaseException:
-            self.release(live)
+            self._teardown.submit(live)
             raise
-        if live.slot is not None:
-            live.slot.release()  # a kept guest no longer counts against this run's cap
-            live.slot = None
         if live.admitted is not None:
-            live.admitted.release()
+            live.admitted.release()  # a kept guest no longer counts against the host's bound
             live.admitted = None
-        self.live.pop(live.vm.name, None)
 
     def release(self, live: LiveGuest) -> None:
         """Forget ``live`` now and destroy it in the background (see :meth:`destroy`).
@@ -297,16 +316,18 @@ class GuestPool:
         process's next guest call, or at :meth:`close`.
         """
         started = time.monotonic()
-        self._note_egress(live)
-        self.live.pop(live.vm.name, None)
+        if not self._claim(live):
+            return  # already on its way (close() raced its owner)
+        note_egress(live)
         self._teardown.submit(live)
         live.destroy_seconds = time.monotonic() - started  # what the test waited; the rest is off its path
 
     def destroy(self, live: LiveGuest) -> bool:
         """Destroy and forget; on failure (or past the time bound) warn and leave the record. Never raises."""
         started = time.monotonic()
-        self._note_egress(live)
-        self.live.pop(live.vm.name, None)
+        if not self._claim(live):
+            return True  # another path destroys it
+        note_egress(live)
         with signals_deferred():
             error = self._destroy_now(live)
         live.destroy_seconds = time.monotonic() - started
@@ -315,17 +336,8 @@ class GuestPool:
             return False
         return True
 
-    @staticmethod
-    def _note_egress(live: LiveGuest) -> None:
-        try:
-            live.egress = live.guest.egress()
-        except GuestError:
-            live.egress = []  # its log says why; a teardown never fails for the ledger
-
     def _destroy_now(self, live: LiveGuest) -> str | None:
         error = attempts_within(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
-        if live.slot is not None:
-            live.slot.release()
         if live.admitted is not None:
             live.admitted.release()
         if error is None:
@@ -343,24 +355,40 @@ class GuestPool:
                                     "run 'pytest-smolvm reap' to remove it"), stacklevel=3)
 
     def close(self) -> list[str]:
-        """Destroy whatever this process still has alive, then release its own backend.
+        """Refuse new creates, wait for those in flight, destroy whatever this process still has
+        alive (in parallel), then release its own backend: all of it within one ``close_wait``.
 
-        Returns the problems met (never raises): the caller turns them into a warning.
+        Returns the problems met (never raises): the caller turns them into a warning. Callable
+        from any thread, and more than once.
         """
         problems: list[str] = []
         wait = limits.LIMITS.close_wait
         deadline = time.monotonic() + wait
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        with self._life:
+            self._closed = True
         with signals_deferred():  # a second Ctrl-C must not cut the last destroys in half
-            # Every wait here is bounded, the signals being held: past close_wait what is still
-            # under way is left to the reaper (its records stay).
-            self._ahead.cancel(wait)
-            if not self._creates.wait(max(0.0, deadline - time.monotonic())):
+            # Every wait here is bounded by the one deadline, the signals being held: past
+            # close_wait what is still under way is left to the reaper (its records stay).
+            with self._life:
+                while self._creating and self._life.wait(left()):
+                    pass
+                if self._creating:
+                    problems.append(f"{self._creating} create(s) still under way after {wait:g}s: each destroys "
+                                    "its guest when it ends (or its record stays for the reaper)")
+            self._ahead.cancel(left())
+            if not self._creates.wait(left()):
                 problems.append(f"an interrupted create did not end within {wait:g}s: its record stays for the reaper")
-            for live in self._teardown.drain(max(0.0, deadline - time.monotonic())):
+            for live in list(self.live.values()):
+                if self._claim(live):
+                    note_egress(live)
+                    self._teardown.submit(live)  # in parallel: one hung destroy holds no other
+            for live in self._teardown.drain(left()):
                 problems.append(f"guest {live.vm.name}: its destroy did not end within {wait:g}s: "
                                 "its record stays for the reaper")
-            for live in list(self.live.values()):
-                self.destroy(live)
         self.warn_teardown_failures()
         backend, self._backend = self._backend, None
         if backend is None or (isinstance(self._plans, Planner) and backend is self._plans.backend):
@@ -370,14 +398,3 @@ class GuestPool:
         except Exception as exc:
             problems.append(f"{type(exc).__name__}: {exc}")
         return problems
-
-
-def _still_running(guest: Guest) -> bool:
-    """Whether a guest made ahead still has its init, and nothing has killed it (one without a
-    host pid, a cloud machine, is taken as running: the test's first call would say otherwise).
-    An init killed a moment ago can still be there, its SIGKILL pending on a busy host."""
-    data = guest.registry_data()
-    pid, start = data.get("pid"), data.get("pid_start")
-    if not isinstance(pid, int):
-        return True
-    return procs.is_alive(pid, start if isinstance(start, int) else None) and not procs.is_dying(pid)

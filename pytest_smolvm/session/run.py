@@ -13,9 +13,11 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from pytest_smolvm.errors import ClosedError
 from pytest_smolvm.session.settings import Settings
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ class SmolRun:
         self._pool: GuestPool | None = None
         self._signals: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._closed = False  # set once, under _lock: no pool is made after it
 
     @property
     def is_worker(self) -> bool:
@@ -88,10 +91,12 @@ class SmolRun:
         """This process's guests; the first call is where the plugin's work starts."""
         planner = self.planner
         with self._lock:
+            if self._closed:
+                raise ClosedError("the run is closed: it makes no more guests")
             if self._pool is None:
                 from pytest_smolvm.session.pool import GuestPool
 
-                self._signals = _signals_to_keyboard_interrupt()
+                self._signals = _signals_to_keyboard_interrupt(self._is_closed)
                 self._pool = GuestPool(self.settings, planner, run_id=self.run_id, worker=self.worker,
                                        workers=self.workers)
             return self._pool
@@ -102,48 +107,91 @@ class SmolRun:
 
     def install_signals(self) -> None:
         """In the controller: take SIGTERM/SIGHUP once guests exist (from the main thread only)."""
-        if not self._signals:
-            self._signals = _signals_to_keyboard_interrupt()
+        if not self._signals and not self._closed:
+            self._signals = _signals_to_keyboard_interrupt(self._is_closed)
 
-    def close_pool(self) -> list[str]:
-        pool, self._pool = self._pool, None
-        return pool.close() if pool is not None else []
+    def _is_closed(self) -> bool:
+        return self._closed
 
     def close(self) -> list[str]:
-        """End of this process's part: its guests, then (in the owner) the run's backend."""
-        problems = self.close_pool()
-        if self._service is not None:
-            self._service.close()
-            self._service = None
-        if self._planner is not None:
-            problems += self._planner.close()
-        for sig, handler in self._signals.items():
-            signal.signal(sig, handler)
-        self._signals = {}
-        confined = sys.modules.get("pytest_smolvm.untrusted.confined")  # loaded by a copy or an unpack, if at all
-        if confined is not None:
-            confined.stop_unpacker()  # a process and a socket: a library session leaves neither behind
+        """End of this process's part: its guests, then (in the owner) the run's backend.
+
+        Callable from any thread, more than once, and never raises: each step runs whatever
+        the one before it met, and its problem is returned (a Ctrl-C the pool's close held is
+        delivered once every step has run: the run's backend, a cloud source, still goes). The
+        signal handlers can be put back only from the main thread: from another, they stay,
+        passing every signal to the handler they replaced (the run is closed), until a later
+        close() on the main thread.
+        """
+        with self._lock:
+            first, self._closed = not self._closed, True
+            pool, self._pool = self._pool, None
+            service, self._service = self._service, None
+        problems: list[str] = []
+        steps: list[Callable[[], list[str] | None]] = []
+        if first:
+            steps += [lambda: pool.close() if pool is not None else None,
+                      lambda: service.close() if service is not None else None,
+                      lambda: self._planner.close() if self._planner is not None else None]
+        steps += [self._restore_signals, _stop_unpacker]
+        interrupted: BaseException | None = None
+        for step in steps:
+            try:
+                problems += step() or []
+            except Exception as exc:  # never raises: the next steps still run
+                problems.append(f"{type(exc).__name__}: {exc}")
+            except BaseException as exc:  # a Ctrl-C held by the pool's close: delivered once all ran
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
         return problems
+
+    def _restore_signals(self) -> None:
+        if self._signals and threading.current_thread() is threading.main_thread():
+            signals, self._signals = self._signals, {}
+            for sig, handler in signals.items():
+                signal.signal(sig, handler)
 
     def finish(self) -> list[str]:
         """:meth:`close`; then, in the owner, reap what this run's crashed workers or failed destroys left."""
         decided = self.plan is not None
         problems = self.close()
         if decided and not self.is_worker:
-            from pytest_smolvm.session.reaper import reap_orphans
-
-            report = reap_orphans()
-            problems += [f"{name}: {why}" for name, why in report.failed]
-            left = report.left_line()
-            if left is not None:
-                problems.append(left)
+            try:
+                problems += _reap()
+            except Exception as exc:  # never raises, as close()
+                problems.append(f"reap: {type(exc).__name__}: {exc}")
         return problems
 
 
-def _signals_to_keyboard_interrupt() -> dict[int, Any]:
-    """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs."""
-    def interrupt(signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+def _reap() -> list[str]:
+    from pytest_smolvm.session.reaper import reap_orphans
+
+    report = reap_orphans()
+    problems = [f"{name}: {why}" for name, why in report.failed]
+    left = report.left_line()
+    return [*problems, left] if left is not None else problems
+
+
+def _stop_unpacker() -> None:
+    confined = sys.modules.get("pytest_smolvm.untrusted.confined")  # loaded by a copy or an unpack, if at all
+    if confined is not None:
+        confined.stop_unpacker()  # a process and a socket: a library session leaves neither behind
+
+
+def _signals_to_keyboard_interrupt(closed: Callable[[], bool]) -> dict[int, Any]:
+    """SIGTERM and SIGHUP take the Ctrl-C path, so every finalizer runs; once the run is
+    ``closed()`` (its handlers not yet put back: closed from another thread) each signal goes
+    to the handler it replaced, as if ours were gone."""
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if not closed():
+            raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+        before = previous.get(signum, signal.SIG_DFL)
+        if callable(before):
+            before(signum, frame)
+        elif before == signal.SIG_DFL:  # the default action (SIGTERM's: the process ends)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
     previous: dict[int, Any] = {}
     if threading.current_thread() is not threading.main_thread():

@@ -72,8 +72,8 @@ class SmolBackend:
     idle_guests_are_free: ClassVar[bool] = False  # a cloud machine is billed; a local one holds its memory
 
     def __init__(self, options: BackendOptions | None = None, *,
-                 ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int = limits.LIMITS.cpus,
-                 memory_mb: int = limits.LIMITS.memory_mb, ready_timeout: float = limits.LIMITS.smol_ready) -> None:
+                 ttl_seconds: int | None = DEFAULT_TTL_SECONDS, cpus: int | None = None,
+                 memory_mb: int | None = None, ready_timeout: float | None = None) -> None:
         options = options or BackendOptions()
         target, labels = options.target, options.labels
         self._batcher = BranchBatcher()  # concurrent branches of one source: one branch_batch call
@@ -92,9 +92,10 @@ class SmolBackend:
         # derived baseline digest -> the setup that makes it, run in its source before any branch
         self._populate: dict[str, Callable[[SmolGuest], None]] = {}
         self.ttl_seconds = ttl_seconds if target == "cloud" else None  # the local engine ignores TTLs
-        self.default_cpus = cpus
-        self.default_memory_mb = memory_mb
-        self.ready_timeout = ready_timeout
+        # Read now, not bound at import as default arguments: a conftest may replace limits.LIMITS.
+        self.default_cpus = cpus if cpus is not None else limits.LIMITS.cpus
+        self.default_memory_mb = memory_mb if memory_mb is not None else limits.LIMITS.memory_mb
+        self.ready_timeout = ready_timeout if ready_timeout is not None else limits.LIMITS.smol_ready
         self._sources: dict[str, _Source] = {}
         self._children: dict[str, SmolGuest] = {}
         self._kept_sources: set[str] = set()
