@@ -111,25 +111,52 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("network='yes'", "network"),
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),
-    ("image='./no-such-rootfs'", "no such file"),
     ("user=''", "user"),
     ("user=True", "user"),
     ("output_limit=-5", "output_limit"),
     ("output_limit='many'", "output_limit"),
     ("output_limit=''", "output_limit"),
 ])
-def test_bad_marker_is_a_one_line_setup_error(pytester: pytest.Pytester, smol_state: Path,
-                                              marker: str, needle: str) -> None:
+def test_bad_marker_is_a_one_line_collection_error(pytester: pytest.Pytester, smol_state: Path,
+                                                   marker: str, needle: str) -> None:
+    """Found when the module is collected, before any guest: once for a parametrized test,
+    and the run stops there as it does for pytest's own unknown marker under --strict-markers."""
     pytester.makepyfile(f"""
         import pytest
 
         @pytest.mark.smol({marker})
-        def test_marked(smol_vm):
+        @pytest.mark.parametrize("case", [1, 2])
+        def test_marked(smol_vm, case):
+            pass
+
+        def test_plain():
             pass
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)
-    assert_one_line_setup_error(result, needle)
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if "ERROR collecting" in line)
+    assert lines[start + 1].startswith("test_marked: @pytest.mark.smol") and needle in lines[start + 1], lines
+    assert lines[start + 2].startswith("="), "\n".join(lines)  # one line
+    assert "smolvm: backend" not in result.stdout.str()  # no guest, so no backend decision was made
+
+
+def test_a_marker_image_that_names_no_baseline_is_a_one_line_setup_error(pytester: pytest.Pytester,
+                                                                         smol_state: Path) -> None:
+    """Resolving an image can pull: it waits for the test's guest, and errors that test only."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(image='./no-such-rootfs')
+        def test_marked(smol_vm):
+            pass
+
+        def test_plain():
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1, passed=1)
+    assert_one_line_setup_error(result, "no such file")
 
 
 def test_marker_precedence_closest_wins_per_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:
