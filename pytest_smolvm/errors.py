@@ -94,4 +94,5 @@ class DigestMismatch(Exception):
 
 
 class SmolVMWarning(UserWarning):
-    """A guest could not be destroyed; its registry record stays for the reaper."""
+    """Something a test's outcome does not show: a guest that could not be destroyed (its registry
+    record stays for the reaper), an exec output cut at the output limit."""

@@ -207,6 +207,29 @@ def test_default_user_and_output_limit_from_ini_option_and_marker(pytester: pyte
     result.stdout.fnmatch_lines(["*id -un*"])
 
 
+def test_an_output_cut_at_the_limit_is_said_once_per_test_in_the_terminal(pytester: pytest.Pytester,
+                                                                          smol_state: Path) -> None:
+    """A passing test's transcript is never shown: the cut would pass unsaid without this line."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(output_limit="64k")
+        def test_cut_twice(smol_vm):
+            assert smol_vm.exec("head -c 300000 /dev/zero").truncated == ("stdout",)
+            assert smol_vm.exec("head -c 300000 /dev/zero >&2").truncated == ("stderr",)
+
+        def test_whole(smol_vm):
+            assert smol_vm.exec("head -c 300000 /dev/zero").truncated == ()
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=2)
+    text = result.stdout.str()
+    assert text.count("was cut at the output limit") == 1, text
+    result.stdout.fnmatch_lines(["*test_cut_twice*", "*smolvm: exec 'head -c 300000 /dev/zero' (and 1 more): its stdout "
+                                 "was cut at the output limit, 64 KiB*--smol-output-limit*output_limit=*"])
+    assert "test_whole" not in text.split("warnings summary", 1)[-1], text
+
+
 def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         def test_factory(smol_vm_factory):

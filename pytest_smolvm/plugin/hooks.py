@@ -327,6 +327,11 @@ def smol_vm_factory(request: pytest.FixtureRequest,
         yield make
     finally:
         if made:
+            from pytest_smolvm.plugin.reporting import cut_output_note
+
+            note = cut_output_note(live.vm for live in made)
+            if note:  # once per test, in the warnings summary: a passing test's transcript is never shown
+                warnings.warn(SmolVMWarning(note), stacklevel=1)
             pool = run.pool
             keep = run.settings.keep
             artifacts.before_destroy(item, made)  # files to save need the guests alive
