@@ -139,6 +139,32 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert plain_reason(OOM_SCORE_REFUSED).startswith("the VMM lacks CAP_SYS_RESOURCE")
 
 
+@pytest.mark.parametrize(("mode", "group", "caller_in_group", "says", "never"), [
+    # this host's state (root:kvm 0660, root not in kvm): the group step is done, joining it is not
+    (0o660, "kvm", False, ["it is root:kvm 0660 now", "join kvm", "chmod 0666"], ["give /dev/kvm to a kvm group",
+                                                                                 "give it to a kvm group"]),
+    (0o660, "kvm", True, ["you are in kvm", "chmod 0666"], ["give it to a kvm group", "usermod"]),
+    (0o600, "root", False, ["it is root:root 0600 now", "give it to a kvm group with mode 0660"], []),
+])
+def test_doctor_fixes_start_from_the_state_dev_kvm_is_in(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path,
+                                                        mode: int, group: str, caller_in_group: bool,
+                                                        says: list[str], never: list[str]) -> None:
+    """A fix never repeats what the host already has (a kvm group, mode 0660)."""
+    from pytest_smolvm.backends.smol import doctor
+
+    facts = doctor.KvmFacts(True, mode, "root", group, True, "maybe" if caller_in_group else "no")
+    monkeypatch.setattr(doctor, "kvm_facts", lambda path="/dev/kvm": facts)
+    denied = "[SMOLVM_ERROR] kvm: KvmOpen(Error(13)) Permission denied opening /dev/kvm"
+    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, denied, 1.0))
+    out = io.StringIO()
+    run_doctor(out)
+    fixes = " ".join(out.getvalue().split("what to do:", 1)[-1].split())
+    for needle in says:
+        assert needle in fixes, fixes
+    for needle in never:
+        assert needle not in fixes, fixes
+
+
 def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
     # Each check, the verdict and each fix is a block: its first line says what it is, the rest
     # hang indented under it, and no word is cut at a hyphen ("copy-" / "on-write").

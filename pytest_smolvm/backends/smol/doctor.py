@@ -118,12 +118,31 @@ def _check_smolmachines(report: Report) -> bool:
     return True
 
 
-KVM_ACCESS_FIX = (
-    "let the VMM's own uid open /dev/kvm: either give /dev/kvm to a kvm group with mode 0660 and join it "
-    "(sudo groupadd -f kvm; sudo usermod -aG kvm $USER; log in again), or make it mode 0666; to keep that "
-    "across reboots add the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0666\" to "
-    "/etc/udev/rules.d/65-kvm.rules and run sudo udevadm control --reload && sudo udevadm trigger. "
-    "Or set SMOLVM_VM_UID_DROP=off so each VMM runs as your uid (weaker isolation between VMs)")
+UDEV_0666 = ("to keep mode 0666 across reboots add the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0666\" to "
+             "/etc/udev/rules.d/65-kvm.rules and run sudo udevadm control --reload && sudo udevadm trigger")
+UID_DROP_OFF = "Or set SMOLVM_VM_UID_DROP=off so each VMM runs as your uid (weaker isolation between VMs)"
+
+
+def kvm_access_fix(facts: KvmFacts | None) -> str:
+    """What lets the VMM's own uid open /dev/kvm, from the state /dev/kvm is in now: a step the
+    host has already taken (a kvm group, mode 0660) is not suggested again."""
+    lead = "let the VMM's own uid open /dev/kvm: "
+    if facts is None or not facts.exists:
+        return (lead + "either give /dev/kvm to a kvm group with mode 0660 and join it (sudo groupadd -f kvm; "
+                "sudo usermod -aG kvm $USER; log in again), or make it mode 0666 (sudo chmod 0666 /dev/kvm); "
+                f"{UDEV_0666}. {UID_DROP_OFF}")
+    state = f"it is {facts.owner}:{facts.group} {facts.mode:04o} now"
+    group_rw = facts.group not in ("root", "0") and facts.mode & 0o060 == 0o060
+    if group_rw and facts.per_vm_uid == "no":  # the group is there; the caller is not in it
+        return (lead + f"{state}, so either join {facts.group} (sudo usermod -aG {facts.group} $USER; log in "
+                "again), which smolmachines may pass on to the VMM, or make it mode 0666 (sudo chmod 0666 "
+                f"/dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
+    if group_rw:  # joined already: only the other bits are left to try
+        return (lead + f"{state} and you are in {facts.group}, which the VMM may not inherit: make it mode "
+                f"0666 (sudo chmod 0666 /dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
+    return (lead + f"{state}: either give it to a kvm group with mode 0660 and join it (sudo groupadd -f kvm; "
+            "sudo chgrp kvm /dev/kvm; sudo chmod 0660 /dev/kvm; sudo usermod -aG kvm $USER; log in again), or "
+            f"make it mode 0666 (sudo chmod 0666 /dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
 
 
 def _check_kvm(report: Report) -> KvmFacts | None:
@@ -152,7 +171,7 @@ def _check_kvm(report: Report) -> KvmFacts | None:
                 f"it opens /dev/kvm; with {facts.owner}:{facts.group} {facts.mode:04o} that uid {verdict} "
                 "open it")
     if facts.per_vm_uid == "no":
-        report.fix(KVM_ACCESS_FIX)
+        report.fix(kvm_access_fix(facts))
     return facts
 
 
@@ -207,7 +226,7 @@ def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: Kvm
         report.say("why: the VMM could not open /dev/kvm (EACCES). smolmachines drops each VMM to an "
                    "unprivileged uid of its own, so it does not help that you can open /dev/kvm: that uid "
                    "must be able to.")
-        report.fix(KVM_ACCESS_FIX)
+        report.fix(kvm_access_fix(kvm))
         causes.append("the microVM monitor, which runs as a uid of its own, may not open /dev/kvm")
     elif boot_failures.is_oom_adjust_denied(reason):
         report.say("why: the engine's monitor sets its oom_score_adj to -500 before it boots a guest, and "
