@@ -165,6 +165,52 @@ def test_doctor_fixes_start_from_the_state_dev_kvm_is_in(monkeypatch: pytest.Mon
         assert needle not in fixes, fixes
 
 
+# What the engine said on one PVM host, root without CAP_SYS_RESOURCE, /dev/kvm root:kvm 0660, in
+# three runs (issue 44): whichever step the boot reached first.
+ENGINE_SAID = ["boot did not finish within 20s (last VMM message: waiting for the agent)",
+               "[SMOLVM_ERROR] could not open /dev/kvm: KvmOpen(Error(13)): Permission denied. Add your user to the "
+               "'kvm' group: sudo usermod -aG kvm $USER Then log out and log back in",
+               OOM_SCORE_REFUSED]
+
+
+def test_the_fallback_reason_is_the_same_whatever_the_engine_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's summary line is read from the host's facts, which do not change between runs."""
+    from pytest_smolvm.backends.base import ProbeResult
+    from pytest_smolvm.backends.selection import select_backend
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(boot_failures, "has_capability", lambda number, status=None: False)
+    from pytest_smolvm.backends.smol.doctor import KvmFacts
+
+    facts = KvmFacts(True, 0o660, "root", "kvm", True, "no")
+    monkeypatch.setattr(boot_failures, "kvm_facts", lambda path="/dev/kvm": facts, raising=False)
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: "the kvm_pvm kernel module is loaded")
+    monkeypatch.delenv("SMOLVM_VM_UID_DROP", raising=False)
+    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+               for said in ENGINE_SAID}
+    assert len(reasons) == 1, reasons
+    assert reasons.pop().startswith("no microVM boots here: the VMM lacks CAP_SYS_RESOURCE and may not open "
+                                    "/dev/kvm, on a PVM host; ")
+
+
+def test_where_the_host_explains_nothing_the_engines_reason_is_kept_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(boot_failures, "host_causes", lambda: [], raising=False)
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    assert plain_reason(ENGINE_SAID[0]) == "boot did not finish within 20s"
+    assert plain_reason(ENGINE_SAID[1]) == "the VMM may not open /dev/kvm"
+    # The VMM's last message, quoted in a timed-out probe's reason, is cut at a sentence's end.
+    monkeypatch.setattr(probe, "vm_data_dir", lambda name: tmp_path)
+    sentence = "The guest kernel did not answer the agent in time. " * 20
+    (tmp_path / "agent-startup-error.log").write_text(f"earlier line\n{sentence}then log out and log back in\n")
+    quoted = probe._last_boot_message("probe-x")
+    assert quoted.startswith("The guest kernel") and ". [" in quoted and quoted.endswith(" more characters]")
+    assert len(quoted) < 450
+
+
 def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
     # Each check, the verdict and each fix is a block: its first line says what it is, the rest
     # hang indented under it, and no word is cut at a hyphen ("copy-" / "on-write").

@@ -225,8 +225,8 @@ def test_an_output_cut_at_the_limit_is_said_once_per_test_in_the_terminal(pytest
     result.assert_outcomes(passed=2)
     text = result.stdout.str()
     assert text.count("was cut at the output limit") == 1, text
-    result.stdout.fnmatch_lines(["*test_cut_twice*", "*smolvm: exec 'head -c 300000 /dev/zero' (and 1 more): its stdout "
-                                 "was cut at the output limit, 64 KiB*--smol-output-limit*output_limit=*"])
+    result.stdout.fnmatch_lines(["*test_cut_twice*", "*smolvm: exec 'head -c 300000 /dev/zero' (and 1 more): its "
+                                 "stdout was cut at the output limit, 64 KiB*--smol-output-limit*output_limit=*"])
     assert "test_whole" not in text.split("warnings summary", 1)[-1], text
 
 

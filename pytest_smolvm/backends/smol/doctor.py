@@ -13,11 +13,8 @@ Exit codes, for scripts (docs/configuration.md):
 
 from __future__ import annotations
 
-import grp
 import os
 import platform
-import pwd
-import stat
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -27,7 +24,7 @@ from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.selection import select_backend
 from pytest_smolvm.backends.smol import boot_failures
 from pytest_smolvm.backends.smol import probe as probe_mod
-from pytest_smolvm.backends.smol.boot_failures import pvm_evidence
+from pytest_smolvm.backends.smol.boot_failures import KvmFacts, kvm_facts, pvm_evidence, user_name
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000
@@ -58,49 +55,6 @@ class Report:
         """Record a fix for the summary; ``first`` puts it ahead of the others (it must come first)."""
         if text not in self.fixes:
             self.fixes.insert(0, text) if first else self.fixes.append(text)
-
-
-@dataclass(frozen=True)
-class KvmFacts:
-    exists: bool
-    mode: int = 0
-    owner: str = ""
-    group: str = ""
-    caller_can_open: bool = False
-    per_vm_uid: str = "no"  # "yes", "maybe" (through the group, if the engine passes it on) or "no"
-
-
-def kvm_facts(path: str = "/dev/kvm") -> KvmFacts:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return KvmFacts(False)
-    mode = stat.S_IMODE(st.st_mode)
-    # A per-VM uid owns nothing, so the owner bits never count for it. smolmachines' own hint
-    # for EACCES is "usermod -aG kvm", so it appears to hand the caller's membership of the
-    # device's group on to the VMM; that is a "maybe" we cannot check without a boot.
-    if mode & 0o006 == 0o006:
-        per_vm = "yes"
-    elif mode & 0o060 == 0o060 and st.st_gid != 0 and st.st_gid in (os.getgid(), *os.getgroups()):
-        per_vm = "maybe"
-    else:
-        per_vm = "no"
-    return KvmFacts(True, mode, _user_name(st.st_uid), _group_name(st.st_gid),
-                    os.access(path, os.R_OK | os.W_OK), per_vm)
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
 
 
 def _check_platform(report: Report) -> None:
@@ -157,7 +111,7 @@ def _check_kvm(report: Report) -> KvmFacts | None:
                    "or run on smol cloud with --smol-target=cloud")
         return facts
     can = "can" if facts.caller_can_open else "cannot"
-    you = _user_name(os.geteuid())
+    you = user_name(os.geteuid())
     report.line("ok" if facts.caller_can_open else "FAIL", "/dev/kvm",
                 f"{facts.owner}:{facts.group} mode {facts.mode:04o}; you ({you}) {can} open it")
     if not facts.caller_can_open:
