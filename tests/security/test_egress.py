@@ -19,8 +19,17 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is None or shutil.which("ip") is None,
-                                reason="needs root (to make the stand-in internet), pasta and ip")
+from tests import tools
+
+
+@pytest.fixture(autouse=True)
+def _network_tools(request: pytest.FixtureRequest) -> None:
+    """Each tool this module needs, or a skip naming its install line (a failure in CI)."""
+    tools.require_root("to make the stand-in internet")
+    tools.require("ip", "the stand-in internet's network namespace and veth pair")
+    if request.node.originalname != "test_missing_pasta_is_one_line_with_the_install_command":
+        tools.require("pasta", "a guest's NAT with the network on")
+        tools.require("nft", "a networked guest's fence and egress ledger")
 
 INTERNET_HOST = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
