@@ -268,8 +268,35 @@ def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pyt
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta and nftables: "
-                                 "apt-get install -y passt nftables*"])
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta, nftables and iproute2: "
+                                 "apt-get install -y passt nftables iproute2*"])
+
+
+def test_missing_ip_is_the_same_one_line(pytester: pytest.Pytester, smol_state: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """pasta and nft there, ip not: the host's addresses cannot be read, so no guest gets a network
+    (before, a raw FileNotFoundError for 'ip' from deep in the guest's setup)."""
+    bare = pytester.mkdir("bin-without-ip")
+    for tool in ("pasta", "nft", "nsenter", "sh", "mount", "umount", "setpriv", "unshare"):
+        found = tools.require(tool, "this test's PATH")
+        (bare / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bare))
+    pytester.makeconftest("""
+        from pytest_smolvm.backends.namespace import network
+        network.SBIN = ()  # the PATH alone says where tools are: ip is on neither
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta, nftables and iproute2: "
+                                 "apt-get install -y passt nftables iproute2*"])
+    assert "FileNotFoundError" not in result.stdout.str()
 
 
 def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(

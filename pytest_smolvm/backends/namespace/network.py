@@ -37,9 +37,10 @@ from pytest_smolvm.backends.base import EgressAttempt
 from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.inert import inert
 
-INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
+INSTALL_HINT = ("network=True on the namespace backend needs pasta, nftables and iproute2: "
+                "apt-get install -y passt nftables iproute2")
 PROHIBITED = ("169.254.0.0/16",)
-SBIN = ("/usr/sbin", "/sbin")  # nft lives here, often off a normal user's PATH
+SBIN = ("/usr/sbin", "/sbin")  # nft and ip live here, often off a normal user's PATH
 LEDGER_TABLE = "smolvm_egress"
 LEDGER_ROWS = 200  # destinations shown in a guest's log; the counts cover them all
 # The guest's egress ledger and its fast refusals, loaded into its own network namespace (the
@@ -79,20 +80,32 @@ p.wait()
 
 
 def pasta() -> str:
-    """pasta's path; also checks for nft (the ledger and the fence's fast refusals need both)."""
+    """pasta's path; also checks for nft (the ledger and the fence's fast refusals) and ip (the
+    host's addresses to refuse, the guest's routes): without one, no guest with a network."""
     found = shutil.which("pasta")
-    if found is None or _nft() is None:
+    if found is None or _nft() is None or _sbin_tool("ip") is None:
         raise ProvisionError(INSTALL_HINT)
     return found
 
 
+def _sbin_tool(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
+
+
 def _nft() -> str | None:
-    return shutil.which("nft") or shutil.which("nft", path=os.pathsep.join(SBIN))
+    return _sbin_tool("nft")
+
+
+def _ip() -> str:
+    found = _sbin_tool("ip")
+    if found is None:  # fail closed: without the host's addresses nothing of the host is refused
+        raise ProvisionError(INSTALL_HINT)
+    return found
 
 
 def host_addresses() -> list[str]:
     """The host's own IPv4 addresses (every interface), to be refused inside the guest."""
-    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run([_ip(), "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
     found = []
     for line in out.splitlines():
         fields = line.split()
@@ -223,7 +236,7 @@ def stop_nat(watcher: subprocess.Popen[bytes]) -> None:
 
 def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
-    return _in_netns(netns, userns, ["ip", "-batch", "-"], batch)
+    return _in_netns(netns, userns, [_ip(), "-batch", "-"], batch)
 
 
 def _in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:
