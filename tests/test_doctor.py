@@ -136,7 +136,11 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
-    assert plain_reason(OOM_SCORE_REFUSED).startswith("the VMM lacks CAP_SYS_RESOURCE")
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(boot_failures, "host_causes", lambda: [])  # the engine's words alone
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    assert plain_reason(OOM_SCORE_REFUSED) == "the VMM lacks CAP_SYS_RESOURCE"
 
 
 @pytest.mark.parametrize(("mode", "group", "caller_in_group", "says", "never"), [
@@ -190,8 +194,13 @@ def test_the_fallback_reason_is_the_same_whatever_the_engine_said(monkeypatch: p
     reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
                for said in ENGINE_SAID}
     assert len(reasons) == 1, reasons
-    assert reasons.pop().startswith("no microVM boots here: the VMM lacks CAP_SYS_RESOURCE and may not open "
-                                    "/dev/kvm, on a PVM host; ")
+    assert reasons.pop().startswith("no microVM boots here: this is a PVM host, where no stock guest kernel boots; ")
+    # Off a PVM host, the host's facts: still one answer whatever the engine said.
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+               for said in ENGINE_SAID}
+    assert len(reasons) == 1, reasons
+    assert reasons.pop().startswith("no microVM boots here: the VMM lacks CAP_SYS_RESOURCE and may not open /dev/kvm; ")
 
 
 def test_where_the_host_explains_nothing_the_engines_reason_is_kept_whole(monkeypatch: pytest.MonkeyPatch,

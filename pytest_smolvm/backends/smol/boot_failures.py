@@ -137,8 +137,8 @@ def plain_reason(reason: str) -> str:
     """Why no microVM boots here, in a few whole words that stay the same from run to run on one
     host: the host's own facts where they explain it, else the engine's reason (the raw text is
     ``doctor``'s)."""
-    causes = host_causes() or [_engine_cause(reason)]
-    why = " and ".join([causes[0], *(c.removeprefix("the VMM ") for c in causes[1:])])
     if sys.platform.startswith("linux") and pvm_evidence() is not None:
-        why += ", on a PVM host"
-    return why
+        # Decisive on its own: fixing capabilities or /dev/kvm would not make a guest boot here.
+        return "this is a PVM host, where no stock guest kernel boots"
+    causes = host_causes() or [_engine_cause(reason)]
+    return " and ".join([causes[0], *(c.removeprefix("the VMM ") for c in causes[1:])])
