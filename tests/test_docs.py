@@ -201,3 +201,11 @@ def test_getting_started_names_what_each_install_pulls_in() -> None:
     extra = text.split("extra adds", 1)[1].split("(each", 1)[0]
     assert [n for n in names(project["dependencies"]) if n not in first] == [], first
     assert [n for n in names(project["optional-dependencies"]["test"]) if n not in extra] == [], extra
+
+
+def test_the_inspect_section_says_how_to_install_from_a_checkout_and_run_offline() -> None:
+    """From a checkout the extra is '.[inspect]'; mockllm without usage downloads a tokenizer."""
+    text = " ".join((ROOT / "docs" / "agents.md").read_text().split("## Inspect AI", 1)[1].split())
+    assert "python3 -m pip install '.[inspect]'" in text, text
+    assert "reply.usage = ModelUsage(" in text and "tokenizer" in text, text
+    assert "tests/test_inspect_eval.py" in text, text
