@@ -30,6 +30,7 @@ _leave_our_modules_unrewritten()
 from pytest_smolvm.errors import (  # noqa: E402  (after the call above: not rewritten)
     ExecError,
     GuestError,
+    GuestFileNotFoundError,
     GuestUserError,
     MarkerError,
     ProvisionError,
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
     from pytest_smolvm.handle.vm import VM, ExecResult
     from pytest_smolvm.session.library import Session
 
-__all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestUserError", "MarkerError", "ProvisionError",
-           "Session", "SmolVMError", "SmolVMWarning", "UsageError", "episode_seed",
+__all__ = ["VM", "AsyncVM", "ExecError", "ExecResult", "GuestError", "GuestFileNotFoundError", "GuestUserError",
+           "MarkerError", "ProvisionError", "Session", "SmolVMError", "SmolVMWarning", "UsageError", "episode_seed",
            "read_results"]
 __version__ = "0.1.0"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from pytest_smolvm.inert import inert
 
 
@@ -38,6 +40,25 @@ class ProvisionError(SmolVMError):
 
 class GuestError(SmolVMError):
     """A guest operation (file transfer, exec plumbing) failed."""
+
+
+class GuestFileNotFoundError(GuestError, FileNotFoundError):
+    """A guest path that a file operation needs is not there; ``.filename`` is that guest path.
+
+    A ``FileNotFoundError`` too (``errno.ENOENT``), so code that handles the guest's refusals as
+    the host's own keeps working; its message names the operation and says the path is the guest's.
+    """
+
+    def __init__(self, operation: str, guest_path: str) -> None:
+        super().__init__(errno.ENOENT, f"{operation}: no such file or directory in the guest: {guest_path}",
+                         guest_path)
+        self.operation = operation
+
+    def __reduce__(self) -> tuple[type[GuestFileNotFoundError], tuple[str, str]]:
+        return type(self), (self.operation, str(self.filename))  # OSError's own would pass errno first
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class GuestUserError(SmolVMError, LookupError):
@@ -77,4 +98,5 @@ class DigestMismatch(Exception):
 
 
 class SmolVMWarning(UserWarning):
-    """A guest could not be destroyed; its registry record stays for the reaper."""
+    """Something a test's outcome does not show: a guest that could not be destroyed (its registry
+    record stays for the reaper), an exec output cut at the output limit."""

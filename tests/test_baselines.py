@@ -150,3 +150,48 @@ def test_hostile_rootfs_archives_are_refused(pytester: pytest.Pytester, smol_sta
     result.stdout.fnmatch_lines(["--smol-baseline: archive member * outside the rootfs"])
     assert not (pytester.path / "escape").exists()
     assert not (outside / "planted").exists()
+
+
+def test_a_directory_that_is_not_a_rootfs_is_one_line_at_the_first_guest(pytester: pytest.Pytester,
+                                                                          smol_state: Path) -> None:
+    """Not a deep FileNotFoundError for '/bin/sh' in every test: one line, and the run stops."""
+    pytester.mkdir("not-a-rootfs").joinpath("notes.txt").write_text("a project dir, given by mistake\n")
+    pytester.makepyfile("""
+        def test_one(smol_vm):
+            smol_vm.exec("true")
+
+        def test_two(smol_vm):
+            smol_vm.exec("true")
+    """)
+    result = pytester.runpytest_subprocess("--smol-baseline=not-a-rootfs")
+    result.assert_outcomes(errors=1)
+    text = result.stdout.str()
+    assert "--smol-baseline=not-a-rootfs: not a root filesystem: no /bin/sh" in text, text
+    assert "Traceback" not in text and "FileNotFoundError" not in text, text
+
+
+def test_a_rootfs_shell_is_looked_up_as_the_guest_would(tmp_path: Path) -> None:
+    """Links are followed inside the tree: merged /usr counts, and no link reaches the host's /bin/sh."""
+    from pytest_smolvm.baselines.baseline import in_root_exists
+
+    merged = tmp_path / "merged"
+    (merged / "usr" / "bin").mkdir(parents=True)
+    (merged / "usr" / "bin" / "busybox").write_text("")
+    (merged / "usr" / "bin" / "sh").symlink_to("/usr/bin/busybox")  # absolute: from the rootfs
+    (merged / "bin").symlink_to("usr/bin")
+    assert in_root_exists(merged, "/bin/sh")
+    host_link = tmp_path / "host-link"
+    host_link.mkdir()
+    (host_link / "bin").symlink_to("/bin")  # the host's /bin has a sh; this tree has none
+    assert Path("/bin/sh").exists() and not in_root_exists(host_link, "/bin/sh")
+    dotdot = tmp_path / "dotdot"
+    dotdot.mkdir()
+    (dotdot / "bin").symlink_to("../../../../../../bin")  # '..' stops at the tree's root
+    assert not in_root_exists(dotdot, "/bin/sh")
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    (loop / "bin").symlink_to("bin")
+    assert not in_root_exists(loop, "/bin/sh")
+    directory = tmp_path / "dir"
+    (directory / "bin" / "sh").mkdir(parents=True)
+    assert not in_root_exists(directory, "/bin/sh")

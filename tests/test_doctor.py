@@ -136,7 +136,88 @@ def test_doctor_explains_an_engine_refused_an_oom_score(monkeypatch: pytest.Monk
     assert "kernel lets a process lower it only with CAP_SYS_RESOURCE" in text, text
     assert "--cap-add=SYS_RESOURCE" in text
     assert "no microVM boots on this host: the microVM monitor may not lower its OOM score" in text
-    assert plain_reason(OOM_SCORE_REFUSED).startswith("the VMM lacks CAP_SYS_RESOURCE")
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(boot_failures, "host_causes", lambda: [])  # the engine's words alone
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    assert plain_reason(OOM_SCORE_REFUSED) == "the VMM lacks CAP_SYS_RESOURCE"
+
+
+@pytest.mark.parametrize(("mode", "group", "caller_in_group", "says", "never"), [
+    # this host's state (root:kvm 0660, root not in kvm): the group step is done, joining it is not
+    (0o660, "kvm", False, ["it is root:kvm 0660 now", "join kvm", "chmod 0666"], ["give /dev/kvm to a kvm group",
+                                                                                 "give it to a kvm group"]),
+    (0o660, "kvm", True, ["you are in kvm", "chmod 0666"], ["give it to a kvm group", "usermod"]),
+    (0o600, "root", False, ["it is root:root 0600 now", "give it to a kvm group with mode 0660"], []),
+])
+def test_doctor_fixes_start_from_the_state_dev_kvm_is_in(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path,
+                                                        mode: int, group: str, caller_in_group: bool,
+                                                        says: list[str], never: list[str]) -> None:
+    """A fix never repeats what the host already has (a kvm group, mode 0660)."""
+    from pytest_smolvm.backends.smol import doctor
+
+    facts = doctor.KvmFacts(True, mode, "root", group, True, "maybe" if caller_in_group else "no")
+    monkeypatch.setattr(doctor, "kvm_facts", lambda path="/dev/kvm": facts)
+    denied = "[SMOLVM_ERROR] kvm: KvmOpen(Error(13)) Permission denied opening /dev/kvm"
+    monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, denied, 1.0))
+    out = io.StringIO()
+    run_doctor(out)
+    fixes = " ".join(out.getvalue().split("what to do:", 1)[-1].split())
+    for needle in says:
+        assert needle in fixes, fixes
+    for needle in never:
+        assert needle not in fixes, fixes
+
+
+# What the engine said on one PVM host, root without CAP_SYS_RESOURCE, /dev/kvm root:kvm 0660, in
+# three runs (issue 44): whichever step the boot reached first.
+ENGINE_SAID = ["boot did not finish within 20s (last VMM message: waiting for the agent)",
+               "[SMOLVM_ERROR] could not open /dev/kvm: KvmOpen(Error(13)): Permission denied. Add your user to the "
+               "'kvm' group: sudo usermod -aG kvm $USER Then log out and log back in",
+               OOM_SCORE_REFUSED]
+
+
+def test_the_fallback_reason_is_the_same_whatever_the_engine_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's summary line is read from the host's facts, which do not change between runs."""
+    from pytest_smolvm.backends.base import ProbeResult
+    from pytest_smolvm.backends.selection import select_backend
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(boot_failures, "has_capability", lambda number, status=None: False)
+    from pytest_smolvm.backends.smol.doctor import KvmFacts
+
+    facts = KvmFacts(True, 0o660, "root", "kvm", True, "no")
+    monkeypatch.setattr(boot_failures, "kvm_facts", lambda path="/dev/kvm": facts, raising=False)
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: "the kvm_pvm kernel module is loaded")
+    monkeypatch.delenv("SMOLVM_VM_UID_DROP", raising=False)
+    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+               for said in ENGINE_SAID}
+    assert len(reasons) == 1, reasons
+    assert reasons.pop().startswith("no microVM boots here: this is a PVM host, where no stock guest kernel boots; ")
+    # Off a PVM host, the host's facts: still one answer whatever the engine said.
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+               for said in ENGINE_SAID}
+    assert len(reasons) == 1, reasons
+    assert reasons.pop().startswith("no microVM boots here: the VMM lacks CAP_SYS_RESOURCE and may not open /dev/kvm; ")
+
+
+def test_where_the_host_explains_nothing_the_engines_reason_is_kept_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from pytest_smolvm.backends.smol import boot_failures
+
+    monkeypatch.setattr(boot_failures, "host_causes", lambda: [], raising=False)
+    monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
+    assert plain_reason(ENGINE_SAID[0]) == "boot did not finish within 20s"
+    assert plain_reason(ENGINE_SAID[1]) == "the VMM may not open /dev/kvm"
+    # The VMM's last message, quoted in a timed-out probe's reason, is cut at a sentence's end.
+    monkeypatch.setattr(probe, "vm_data_dir", lambda name: tmp_path)
+    sentence = "The guest kernel did not answer the agent in time. " * 20
+    (tmp_path / "agent-startup-error.log").write_text(f"earlier line\n{sentence}then log out and log back in\n")
+    quoted = probe._last_boot_message("probe-x")
+    assert quoted.startswith("The guest kernel") and ". [" in quoted and quoted.endswith(" more characters]")
+    assert len(quoted) < 450
 
 
 def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:

@@ -15,7 +15,7 @@ from tests.leaks import assert_host_clean
 from tests.test_lifecycle import KILL_HELPER_AND_SELF
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALL = "pip install 'pytest-smolvm[inspect]'  (inspect-ai>=0.3.285)"
+INSTALL = "python3 -m pip install '.[inspect]' from a checkout (inspect-ai>=0.3.285, Python 3.11+)"
 
 
 def test_the_plugin_and_a_pytest_run_import_nothing_of_inspect(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-INSTALL = "pip install 'pytest-smolvm[inspect]'  (inspect-ai>=0.3.285)"
+INSTALL = "python3 -m pip install '.[inspect]' from a checkout (inspect-ai>=0.3.285, Python 3.11+)"
 pytest.importorskip("inspect_ai", reason=f"the smolvm Inspect provider needs {INSTALL}")
 
 from inspect_ai import eval as inspect_eval  # noqa: E402

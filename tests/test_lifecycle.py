@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import tools
+
 
 def test_each_test_gets_a_fresh_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
@@ -513,6 +515,9 @@ def test_guest_cannot_write_outside_its_scratch(pytester: pytest.Pytester, smol_
 
 
 def test_guest_cannot_reach_the_hosts_loopback(pytester: pytest.Pytester, smol_state: Path) -> None:
+    tools.require("pasta", "a guest with network=True")  # its NAT; nft and ip for its fence and routes
+    tools.require("nft", "a guest with network=True")
+    tools.require("ip", "a guest with network=True")
     pytester.makepyfile("""
         import socket, threading
         import pytest

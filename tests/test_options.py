@@ -111,25 +111,52 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("network='yes'", "network"),
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),
-    ("image='./no-such-rootfs'", "no such file"),
     ("user=''", "user"),
     ("user=True", "user"),
     ("output_limit=-5", "output_limit"),
     ("output_limit='many'", "output_limit"),
     ("output_limit=''", "output_limit"),
 ])
-def test_bad_marker_is_a_one_line_setup_error(pytester: pytest.Pytester, smol_state: Path,
-                                              marker: str, needle: str) -> None:
+def test_bad_marker_is_a_one_line_collection_error(pytester: pytest.Pytester, smol_state: Path,
+                                                   marker: str, needle: str) -> None:
+    """Found when the module is collected, before any guest: once for a parametrized test,
+    and the run stops there as it does for pytest's own unknown marker under --strict-markers."""
     pytester.makepyfile(f"""
         import pytest
 
         @pytest.mark.smol({marker})
-        def test_marked(smol_vm):
+        @pytest.mark.parametrize("case", [1, 2])
+        def test_marked(smol_vm, case):
+            pass
+
+        def test_plain():
             pass
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)
-    assert_one_line_setup_error(result, needle)
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if "ERROR collecting" in line)
+    assert lines[start + 1].startswith("test_marked: @pytest.mark.smol") and needle in lines[start + 1], lines
+    assert lines[start + 2].startswith("="), "\n".join(lines)  # one line
+    assert "smolvm: backend" not in result.stdout.str()  # no guest, so no backend decision was made
+
+
+def test_a_marker_image_that_names_no_baseline_is_a_one_line_setup_error(pytester: pytest.Pytester,
+                                                                         smol_state: Path) -> None:
+    """Resolving an image can pull: it waits for the test's guest, and errors that test only."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(image='./no-such-rootfs')
+        def test_marked(smol_vm):
+            pass
+
+        def test_plain():
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1, passed=1)
+    assert_one_line_setup_error(result, "no such file")
 
 
 def test_marker_precedence_closest_wins_per_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:
@@ -178,6 +205,29 @@ def test_default_user_and_output_limit_from_ini_option_and_marker(pytester: pyte
     result = pytester.runpytest_subprocess("--smol-user=root", "-k", "test_ini")
     result.assert_outcomes(failed=1)  # the command line beats the ini: now root runs test_ini
     result.stdout.fnmatch_lines(["*id -un*"])
+
+
+def test_an_output_cut_at_the_limit_is_said_once_per_test_in_the_terminal(pytester: pytest.Pytester,
+                                                                          smol_state: Path) -> None:
+    """A passing test's transcript is never shown: the cut would pass unsaid without this line."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(output_limit="64k")
+        def test_cut_twice(smol_vm):
+            assert smol_vm.exec("head -c 300000 /dev/zero").truncated == ("stdout",)
+            assert smol_vm.exec("head -c 300000 /dev/zero >&2").truncated == ("stderr",)
+
+        def test_whole(smol_vm):
+            assert smol_vm.exec("head -c 300000 /dev/zero").truncated == ()
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=2)
+    text = result.stdout.str()
+    assert text.count("was cut at the output limit") == 1, text
+    result.stdout.fnmatch_lines(["*test_cut_twice*", "*smolvm: exec 'head -c 300000 /dev/zero' (and 1 more): its "
+                                 "stdout was cut at the output limit, 64 KiB*--smol-output-limit*output_limit=*"])
+    assert "test_whole" not in text.split("warnings summary", 1)[-1], text
 
 
 def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) -> None:

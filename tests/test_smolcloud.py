@@ -17,12 +17,20 @@ from typing import Any
 
 import pytest
 
+from tests import tools
 from tests.leaks import leftovers
 from tests.smolcloud.harness import LoopbackCloud
 
 smol = pytest.importorskip("smol")
 from smol import ConnectOptions, ExecOptions, Machine, MachineConfig, ResourceSpec, SmolError  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _open_network_tools() -> None:
+    """The loopback cloud runs a machine as a namespace guest, and the SDK's default network is
+    open: pasta's NAT there. Without it every machine fails to boot and the SDK waits 120 s."""
+    for tool in ("pasta", "nft", "ip"):
+        tools.require(tool, "the loopback cloud's machines, whose network is open by default")
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:

@@ -24,8 +24,12 @@ PACKAGES = {
     "id": "coreutils",
     "chromium": "chromium",  # the results report is opened in a real, headless browser
     "debootstrap": "debootstrap",  # a Debian baseline for Inspect's checks (tests/debian.py)
+    "pasta": "passt",  # a guest with the network on: its NAT (and nft for its fence, ip for its routes)
+    "nft": "nftables",
+    "ip": "iproute2",
     "root": "(run the tests as root)",
 }
+SBIN = ("/usr/sbin", "/sbin")  # nft and ip live here, often off a normal user's PATH
 
 
 def in_ci() -> bool:
@@ -46,8 +50,14 @@ def missing(tool: str, why: str) -> None:
 
 def require(tool: str, why: str) -> str:
     """The path of ``tool``, or skip the calling test (fail it in CI) with the install line."""
-    path = shutil.which(tool)
+    path = shutil.which(tool) or shutil.which(tool, path=os.pathsep.join(SBIN))
     if path is None:
         missing(tool, why)
         raise AssertionError("unreachable")  # pytest.skip and pytest.fail raise
     return path
+
+
+def require_root(why: str) -> None:
+    """Skip the calling test (fail it in CI) unless it runs as root."""
+    if os.geteuid() != 0:
+        missing("root", why)

@@ -74,12 +74,47 @@ def resolve(reference: str | None, rootdir: Path, *, option: str = "--smol-basel
     if path.exists():
         path = path.resolve()
         if path.is_dir():
+            if not in_root_exists(path, "/bin/sh"):  # every string exec runs it: say so once, here
+                raise UsageError(f"{option}={reference}: not a root filesystem: no /bin/sh")
             return Baseline(reference, "rootfs-dir", path, tree_digest(path))
         if path.name.endswith(".smolmachine"):
             return Baseline(reference, "smolmachine", path, file_digest(path))
         kind: Kind = "image-archive" if is_image_archive(path) else "rootfs-tar"
         return Baseline(reference, kind, path, file_digest(path))
     return Baseline(reference, "registry", None, reference)
+
+
+def in_root_exists(root: Path, guest_path: str, *, hops: int = 40) -> bool:
+    """Whether ``guest_path`` names a file in the tree ``root`` as a guest rooted there sees it.
+
+    Its symlinks are followed as the guest would follow them (an absolute target from ``root``, a
+    ``..`` stopping at it), so a merged-/usr rootfs whose ``/bin`` links to ``/usr/bin`` counts,
+    and no link sends the look-up to the host's own ``/bin``.
+    """
+    todo = [part for part in guest_path.split("/") if part]
+    done: list[str] = []
+    while todo:
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        candidate = root.joinpath(*done, part)
+        if candidate.is_symlink():
+            hops -= 1
+            if hops < 0:
+                return False
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                done = []
+            todo = [p for p in target.split("/") if p] + todo
+        elif candidate.exists():
+            done.append(part)
+        else:
+            return False
+    return bool(done) and not root.joinpath(*done).is_dir()
 
 
 def _as_path(reference: str, rootdir: Path) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from pytest_smolvm import limits
-from pytest_smolvm.errors import GuestError
+from pytest_smolvm.errors import GuestError, GuestFileNotFoundError
 from pytest_smolvm.limits import guest_env, guest_timeout
 from pytest_smolvm.untrusted import confined, rules
 from pytest_smolvm.untrusted.walk import rmtree
@@ -200,7 +200,13 @@ class GuestHandle:
             def consume(stream: IO[bytes]) -> None:
                 confined.extract(stream, staging, rules.Policy(f"copy_out of {src}", prefix=PAYLOAD), caps)
 
-            self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
+            try:
+                self._guest.get_archive(src, PAYLOAD, consume, user=self._user())
+            except FileNotFoundError as exc:
+                # The guest's own answer names the guest path; a host-side one (staging) does not.
+                if isinstance(exc, GuestError) or posixpath.normpath(str(exc.filename)) != posixpath.normpath(src):
+                    raise
+                raise GuestFileNotFoundError("copy_out", src) from None
             payload = staging / PAYLOAD
             if not payload.exists() and not payload.is_symlink():
                 raise GuestError(f"copy_out: the guest sent nothing for {src}")

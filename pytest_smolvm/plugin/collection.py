@@ -17,9 +17,14 @@ writer leaves beside them. That mark outlives the run that wrote it: a later run
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
+from pytest_smolvm.errors import UsageError
 from pytest_smolvm.host import paths
+from pytest_smolvm.session.settings import marker_spec
 
 # Written in a test's artifacts dir before any guest file is copied into it.
 GUEST_FILES_MARK = ".smolvm-guest-files"
@@ -46,3 +51,21 @@ def is_guest_tree(path: Path, homes: frozenset[str]) -> bool:
     if name == "files" or (name.startswith("files-") and name[6:].isdigit()):
         return os.path.exists(os.path.join(path.parent, GUEST_FILES_MARK))
     return False
+
+
+def marker_problems(collected: Sequence[pytest.Item | pytest.Collector]) -> list[str]:
+    """One line per test whose ``smol`` marker is bad (a typo'd keyword, a wrong type), found at
+    collection, as ``--strict-markers`` finds an unknown marker: before any guest is made, and
+    not once per parametrized case. An ``image=`` that names no baseline is found when its guest
+    is made (resolving it may pull), and then errors that test only."""
+    problems: list[str] = []
+    for item in collected:
+        if not isinstance(item, pytest.Item) or item.get_closest_marker("smol") is None:
+            continue
+        try:
+            marker_spec(item)
+        except UsageError as exc:
+            line = f"{getattr(item, 'originalname', item.name)}: {exc}"
+            if line not in problems:
+                problems.append(line)
+    return problems

@@ -22,7 +22,7 @@ import pytest
 from pytest_smolvm.errors import BaselineSetupError, MarkerError, ProvisionError, SmolVMWarning, UsageError
 from pytest_smolvm.host import progress
 from pytest_smolvm.plugin import hookspecs, xdist
-from pytest_smolvm.plugin.collection import guest_tree_homes, is_guest_tree
+from pytest_smolvm.plugin.collection import guest_tree_homes, is_guest_tree, marker_problems
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MARKERS, MarkerSpec, Settings, add_options, marker_spec
 
@@ -100,6 +100,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         homes = config.stash[GUEST_TREE_HOMES_KEY] = guest_tree_homes(
             config.stash[RUN_KEY].settings.artifacts if RUN_KEY in config.stash else None)
     return True if is_guest_tree(collection_path, homes) else None  # None: pytest's other rules decide
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport,
+                                                                          pytest.CollectReport]:
+    report = yield
+    problems = marker_problems(report.result) if report.passed else []
+    if problems:  # a collection error of the module, as pytest's own for an unknown marker
+        report.outcome, report.longrepr, report.result = "failed", "\n".join(problems), []
+    return report
 
 
 class GuestTestCounter:
@@ -331,6 +341,11 @@ def smol_vm_factory(request: pytest.FixtureRequest,
         yield make
     finally:
         if made:
+            from pytest_smolvm.plugin.reporting import cut_output_note
+
+            note = cut_output_note(live.vm for live in made)
+            if note:  # once per test, in the warnings summary: a passing test's transcript is never shown
+                warnings.warn(SmolVMWarning(note), stacklevel=1)
             pool = run.pool
             keep = run.settings.keep
             artifacts.before_destroy(item, made)  # files to save need the guests alive

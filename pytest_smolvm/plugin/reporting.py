@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pytest_smolvm.handle.base import GuestHandle
     from pytest_smolvm.host.registry import Record
     from pytest_smolvm.session.plan import RunPlan
 
@@ -62,3 +63,27 @@ def admission_lines(*seen: dict[str, list[int]]) -> list[str]:
         return []
     parts = [f"{peak} of {bound} {gate}" for gate, (peak, bound) in sorted(merged.items())]
     return [f"smolvm: admission: peak held on this host: {', '.join(parts)} (guests alive / being created at once)"]
+
+
+def _bytes(count: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift and count % (1 << shift) == 0:
+            return f"{count >> shift} {unit}"
+    return f"{count} bytes"
+
+
+def cut_output_note(vms: Iterable[GuestHandle]) -> str | None:
+    """One line for a test whose guests had an exec's output cut at the output limit, else None.
+
+    A cut stream is named in ``ExecResult.truncated`` and in the transcript's headings, which a
+    passing test never shows: without this, 100 MB cut to 16 MiB passes with nothing said.
+    """
+    cut = [(vm, entry) for vm in vms for entry in vm.transcript if entry.truncated]
+    if not cut:
+        return None
+    vm, first = cut[0]
+    command = first.command if len(first.command) <= 60 else first.command[:57] + "..."
+    more = f" (and {len(cut) - 1} more)" if len(cut) > 1 else ""
+    return (f"smolvm: exec {command!r}{more}: its {' and '.join(first.truncated)} was cut at the output limit, "
+            f"{_bytes(vm.output_limit)}, keeping its first and last halves; raise it with --smol-output-limit "
+            "or @pytest.mark.smol(output_limit=...) (ExecResult.truncated names the cut streams)")

@@ -19,6 +19,7 @@ import pytest
 
 from pytest_smolvm.backends import backend_class
 from pytest_smolvm.backends.base import Backend, BackendOptions, Guest, VMSpec
+from pytest_smolvm.backends.smol.boot_failures import plain_reason
 from pytest_smolvm.baselines.baseline import Baseline, resolve
 from pytest_smolvm.handle.vm import VM
 from tests.leaks import leftovers
@@ -82,7 +83,10 @@ def backend(request: pytest.FixtureRequest, session_env: None, baseline: Baselin
         else:
             verdict = backend_class(name).probe()
             if not verdict.available:
-                pytest.skip(f"{name} backend unavailable: {verdict.reason}")
+                # The engine's words vary from boot to boot on one host: the stable, whole reason
+                # here, the engine's own in 'pytest-smolvm doctor'.
+                why = plain_reason(verdict.reason) if name == "smol" else verdict.reason
+                pytest.skip(f"{name} backend unavailable: {why} (pytest-smolvm doctor says more)")
         target = "cloud" if name == "smol-cloud" else "local"
         if name.startswith("smol"):
             from pytest_smolvm.backends.smol.backend import SmolBackend

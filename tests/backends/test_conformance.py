@@ -26,7 +26,7 @@ import pytest
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Backend, BackendOptions, Guest
-from pytest_smolvm.errors import GuestError, UsageError
+from pytest_smolvm.errors import GuestError, GuestFileNotFoundError, UsageError
 from pytest_smolvm.handle.vm import VM
 from tests.backends.conftest import RUN_ID, MakeGuest
 
@@ -189,6 +189,18 @@ def test_copy_tree_round_trip_keeps_modes_and_links(vm: VM, tmp_path: Path) -> N
     assert _tree(out, dir_modes=False) == expected
     single = vm.copy_out("/work/tree/secret", tmp_path / "one-file")
     assert single.read_bytes() == (src / "secret").read_bytes()
+
+
+def test_copy_out_of_a_missing_guest_path_names_copy_out_and_the_path(vm: VM, tmp_path: Path) -> None:
+    """The project's own error, as copy_in's missing host path is: it says which call and whose path."""
+    host = tmp_path / "host"
+    host.mkdir()
+    with pytest.raises(GuestFileNotFoundError) as missing:
+        vm.copy_out("/work/never-made", host / "out")
+    assert isinstance(missing.value, GuestError) and isinstance(missing.value, FileNotFoundError)
+    assert str(missing.value) == "copy_out: no such file or directory in the guest: /work/never-made"
+    assert missing.value.errno == errno.ENOENT and missing.value.filename == "/work/never-made"
+    assert list(host.iterdir()) == []  # no copy and no staging directory left behind
 
 
 def test_copy_in_of_a_deep_tree_keeps_its_shape_and_times(vm: VM, tmp_path: Path) -> None:

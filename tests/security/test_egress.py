@@ -19,8 +19,17 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("pasta") is None or shutil.which("ip") is None,
-                                reason="needs root (to make the stand-in internet), pasta and ip")
+from tests import tools
+
+
+@pytest.fixture(autouse=True)
+def _network_tools(request: pytest.FixtureRequest) -> None:
+    """Each tool this module needs, or a skip naming its install line (a failure in CI)."""
+    tools.require_root("to make the stand-in internet")
+    tools.require("ip", "the stand-in internet's network namespace and veth pair")
+    if request.node.originalname != "test_missing_pasta_is_one_line_with_the_install_command":
+        tools.require("pasta", "a guest's NAT with the network on")
+        tools.require("nft", "a networked guest's fence and egress ledger")
 
 INTERNET_HOST = "10.231.0.2"
 HOST_SIDE = "10.231.0.1"
@@ -244,8 +253,35 @@ def test_missing_pasta_is_one_line_with_the_install_command(pytester: pytest.Pyt
     """)
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta and nftables: "
-                                 "apt-get install -y passt nftables*"])
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta, nftables and iproute2: "
+                                 "apt-get install -y passt nftables iproute2*"])
+
+
+def test_missing_ip_is_the_same_one_line(pytester: pytest.Pytester, smol_state: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """pasta and nft there, ip not: the host's addresses cannot be read, so no guest gets a network
+    (before, a raw FileNotFoundError for 'ip' from deep in the guest's setup)."""
+    bare = pytester.mkdir("bin-without-ip")
+    for tool in ("pasta", "nft", "nsenter", "sh", "mount", "umount", "setpriv", "unshare"):
+        found = tools.require(tool, "this test's PATH")
+        (bare / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bare))
+    pytester.makeconftest("""
+        from pytest_smolvm.backends.namespace import network
+        network.SBIN = ()  # the PATH alone says where tools are: ip is on neither
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.smol(network=True)
+        def test_nat(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*network=True on the namespace backend needs pasta, nftables and iproute2: "
+                                 "apt-get install -y passt nftables iproute2*"])
+    assert "FileNotFoundError" not in result.stdout.str()
 
 
 def test_parallel_guests_each_with_their_own_setting_and_failing_tests_leave_no_nat(

@@ -53,7 +53,8 @@ from pathlib import Path
 from pytest_smolvm import limits
 from pytest_smolvm.errors import ProvisionError
 
-INSTALL_HINT = "network=True on the namespace backend needs pasta and nftables: apt-get install -y passt nftables"
+INSTALL_HINT = ("network=True on the namespace backend needs pasta, nftables and iproute2: "
+                "apt-get install -y passt nftables iproute2")
 NEEDS_ROOT = ("network=True and allow_hosts on the namespace backend need root: the egress fence is a rule in the "
               "host's nftables, which a normal user cannot load (run as root, or use --smol-backend=smol)")
 # The clouds' metadata services: AWS/GCP/Azure/OCI (169.254.169.254, and the rest of the
@@ -62,7 +63,7 @@ NEEDS_ROOT = ("network=True and allow_hosts on the namespace backend need root: 
 METADATA = ("169.254.0.0/16", "168.63.129.16/32", "100.100.100.200/32")
 FENCE_GID_BASE = 2_000_000_000  # + the guest init's pid (at most 2**22): pasta's group, matched on the host
 FENCE_TABLE = "smolvm_fence_"  # + the guest init's pid: its table in the host's namespace
-SBIN = ("/usr/sbin", "/sbin")  # nft lives here, often off a normal user's PATH
+SBIN = ("/usr/sbin", "/sbin")  # nft and ip live here, often off a normal user's PATH
 LEDGER_TABLE = "smolvm_egress"
 LEDGER_ENTRIES = 256  # destinations kept per set (the guest's two, the host's one); more are counted
 MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES, with their count
@@ -166,10 +167,11 @@ _ENDING_LOCK = threading.Lock()  # guests are destroyed from several threads at 
 
 
 def pasta() -> str:
-    """pasta's path; also checks for nft (the fence and the ledger need both) and for root (only
-    root can load the fence into the host's nftables: a guest never runs unfenced)."""
+    """pasta's path; also checks for nft (the fence and the ledger need both), ip (the guest's
+    routes) and for root (only root can load the fence into the host's nftables: a guest never
+    runs unfenced)."""
     found = shutil.which("pasta")
-    if found is None or nft_path() is None:
+    if found is None or nft_path() is None or _sbin_tool("ip") is None:
         raise ProvisionError(INSTALL_HINT)
     if os.geteuid() != 0:
         raise ProvisionError(NEEDS_ROOT)
@@ -177,7 +179,11 @@ def pasta() -> str:
 
 
 def nft_path() -> str | None:
-    return shutil.which("nft") or shutil.which("nft", path=os.pathsep.join(SBIN))
+    return _sbin_tool("nft")
+
+
+def _sbin_tool(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
 
 
 def allowed_networks(allow_hosts: tuple[str, ...]) -> tuple[list[ipaddress.IPv4Network], dict[str, list[str]]]:
@@ -377,7 +383,7 @@ def _kill_nat(nat: Nat) -> None:
 
 def _ip_in(netns: int, userns: int, batch: str) -> str:
     """Run ``ip -batch`` in the guest's network namespace: one process for all the commands."""
-    return in_netns(netns, userns, ["ip", "-batch", "-"], batch)
+    return in_netns(netns, userns, [_sbin_tool("ip") or "ip", "-batch", "-"], batch)
 
 
 def in_netns(netns: int, userns: int, argv: list[str], stdin: str) -> str:

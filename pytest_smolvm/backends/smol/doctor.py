@@ -13,11 +13,8 @@ Exit codes, for scripts (docs/configuration.md):
 
 from __future__ import annotations
 
-import grp
 import os
 import platform
-import pwd
-import stat
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -27,7 +24,7 @@ from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.selection import select_backend
 from pytest_smolvm.backends.smol import boot_failures
 from pytest_smolvm.backends.smol import probe as probe_mod
-from pytest_smolvm.backends.smol.boot_failures import pvm_evidence
+from pytest_smolvm.backends.smol.boot_failures import KvmFacts, kvm_facts, pvm_evidence, user_name
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
 PER_VM_UID_BASE = 2_000_000
@@ -60,49 +57,6 @@ class Report:
             self.fixes.insert(0, text) if first else self.fixes.append(text)
 
 
-@dataclass(frozen=True)
-class KvmFacts:
-    exists: bool
-    mode: int = 0
-    owner: str = ""
-    group: str = ""
-    caller_can_open: bool = False
-    per_vm_uid: str = "no"  # "yes", "maybe" (through the group, if the engine passes it on) or "no"
-
-
-def kvm_facts(path: str = "/dev/kvm") -> KvmFacts:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return KvmFacts(False)
-    mode = stat.S_IMODE(st.st_mode)
-    # A per-VM uid owns nothing, so the owner bits never count for it. smolmachines' own hint
-    # for EACCES is "usermod -aG kvm", so it appears to hand the caller's membership of the
-    # device's group on to the VMM; that is a "maybe" we cannot check without a boot.
-    if mode & 0o006 == 0o006:
-        per_vm = "yes"
-    elif mode & 0o060 == 0o060 and st.st_gid != 0 and st.st_gid in (os.getgid(), *os.getgroups()):
-        per_vm = "maybe"
-    else:
-        per_vm = "no"
-    return KvmFacts(True, mode, _user_name(st.st_uid), _group_name(st.st_gid),
-                    os.access(path, os.R_OK | os.W_OK), per_vm)
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
-def _group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
-
-
 def _check_platform(report: Report) -> None:
     report.line("info", "host", f"{platform.system()} {platform.release()} {platform.machine()}, "
                                 f"Python {platform.python_version()}")
@@ -118,12 +72,31 @@ def _check_smolmachines(report: Report) -> bool:
     return True
 
 
-KVM_ACCESS_FIX = (
-    "let the VMM's own uid open /dev/kvm: either give /dev/kvm to a kvm group with mode 0660 and join it "
-    "(sudo groupadd -f kvm; sudo usermod -aG kvm $USER; log in again), or make it mode 0666; to keep that "
-    "across reboots add the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0666\" to "
-    "/etc/udev/rules.d/65-kvm.rules and run sudo udevadm control --reload && sudo udevadm trigger. "
-    "Or set SMOLVM_VM_UID_DROP=off so each VMM runs as your uid (weaker isolation between VMs)")
+UDEV_0666 = ("to keep mode 0666 across reboots add the udev rule KERNEL==\"kvm\", GROUP=\"kvm\", MODE=\"0666\" to "
+             "/etc/udev/rules.d/65-kvm.rules and run sudo udevadm control --reload && sudo udevadm trigger")
+UID_DROP_OFF = "Or set SMOLVM_VM_UID_DROP=off so each VMM runs as your uid (weaker isolation between VMs)"
+
+
+def kvm_access_fix(facts: KvmFacts | None) -> str:
+    """What lets the VMM's own uid open /dev/kvm, from the state /dev/kvm is in now: a step the
+    host has already taken (a kvm group, mode 0660) is not suggested again."""
+    lead = "let the VMM's own uid open /dev/kvm: "
+    if facts is None or not facts.exists:
+        return (lead + "either give /dev/kvm to a kvm group with mode 0660 and join it (sudo groupadd -f kvm; "
+                "sudo usermod -aG kvm $USER; log in again), or make it mode 0666 (sudo chmod 0666 /dev/kvm); "
+                f"{UDEV_0666}. {UID_DROP_OFF}")
+    state = f"it is {facts.owner}:{facts.group} {facts.mode:04o} now"
+    group_rw = facts.group not in ("root", "0") and facts.mode & 0o060 == 0o060
+    if group_rw and facts.per_vm_uid == "no":  # the group is there; the caller is not in it
+        return (lead + f"{state}, so either join {facts.group} (sudo usermod -aG {facts.group} $USER; log in "
+                "again), which smolmachines may pass on to the VMM, or make it mode 0666 (sudo chmod 0666 "
+                f"/dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
+    if group_rw:  # joined already: only the other bits are left to try
+        return (lead + f"{state} and you are in {facts.group}, which the VMM may not inherit: make it mode "
+                f"0666 (sudo chmod 0666 /dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
+    return (lead + f"{state}: either give it to a kvm group with mode 0660 and join it (sudo groupadd -f kvm; "
+            "sudo chgrp kvm /dev/kvm; sudo chmod 0660 /dev/kvm; sudo usermod -aG kvm $USER; log in again), or "
+            f"make it mode 0666 (sudo chmod 0666 /dev/kvm); {UDEV_0666}. {UID_DROP_OFF}")
 
 
 def _check_kvm(report: Report) -> KvmFacts | None:
@@ -138,7 +111,7 @@ def _check_kvm(report: Report) -> KvmFacts | None:
                    "or run on smol cloud with --smol-target=cloud")
         return facts
     can = "can" if facts.caller_can_open else "cannot"
-    you = _user_name(os.geteuid())
+    you = user_name(os.geteuid())
     report.line("ok" if facts.caller_can_open else "FAIL", "/dev/kvm",
                 f"{facts.owner}:{facts.group} mode {facts.mode:04o}; you ({you}) {can} open it")
     if not facts.caller_can_open:
@@ -152,7 +125,7 @@ def _check_kvm(report: Report) -> KvmFacts | None:
                 f"it opens /dev/kvm; with {facts.owner}:{facts.group} {facts.mode:04o} that uid {verdict} "
                 "open it")
     if facts.per_vm_uid == "no":
-        report.fix(KVM_ACCESS_FIX)
+        report.fix(kvm_access_fix(facts))
     return facts
 
 
@@ -207,7 +180,7 @@ def _explain_boot_failure(report: Report, result: probe_mod.BootReport, kvm: Kvm
         report.say("why: the VMM could not open /dev/kvm (EACCES). smolmachines drops each VMM to an "
                    "unprivileged uid of its own, so it does not help that you can open /dev/kvm: that uid "
                    "must be able to.")
-        report.fix(KVM_ACCESS_FIX)
+        report.fix(kvm_access_fix(kvm))
         causes.append("the microVM monitor, which runs as a uid of its own, may not open /dev/kvm")
     elif boot_failures.is_oom_adjust_denied(reason):
         report.say("why: the engine's monitor sets its oom_score_adj to -500 before it boots a guest, and "

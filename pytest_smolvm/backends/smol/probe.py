@@ -278,8 +278,18 @@ def _last_boot_message(name: str) -> str:
         except OSError:
             continue
         if lines:
-            return lines[-1][-300:]
+            return whole(lines[-1])
     return ""
+
+
+def whole(text: str, limit: int = 400) -> str:
+    """``text``, or its start cut at a sentence's (else a word's) end and marked: never mid-word."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    end = head.rfind(". ")
+    cut = head[:end + 1] if end >= limit // 2 else head.rsplit(" ", 1)[0]
+    return f"{cut} [{len(text) - len(cut)} more characters]"
 
 
 def _delete_by_name(name: str) -> None:
