@@ -186,7 +186,7 @@ def test_the_readme_network_paragraph_agrees_with_the_configuration_page() -> No
     for claim in ("pasta", "host's own addresses", "every backend", "allow_hosts"):
         assert claim in flat, (claim, flat)
     table = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
-    assert "own netns + pasta NAT (IPv4); host addresses" in table and "(every backend" in table
+    assert "own netns + pasta NAT (IPv4); refused per packet" in table and "(every backend" in table
 
 
 def test_getting_started_names_what_each_install_pulls_in() -> None:
