@@ -53,6 +53,7 @@ class Record:
     owner_host: str | None = None
     owner_boot: str | None = None
     owner_pidns: str | None = None
+    parent: str | None = None  # the guest this one was branched from (vm.branch), if any
 
     @classmethod
     def for_this_process(cls, name: str, backend: str, run_id: str, worker: str, test_id: str) -> Record:

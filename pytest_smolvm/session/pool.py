@@ -31,7 +31,7 @@ from pytest_smolvm.errors import GuestError, MarkerError, ProvisionError, SmolVM
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import procs, registry
 from pytest_smolvm.host.signals import signals_deferred
-from pytest_smolvm.session import admission, capacity
+from pytest_smolvm.session import admission, branching, capacity
 from pytest_smolvm.session.background import Ahead, Shielded, Teardown, attempts_within
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
@@ -268,7 +268,9 @@ class GuestPool:
                 baseline=base.reference, digest=base.digest,
                 user=spec.user if spec.user is not None else self.settings.user,
                 output_limit=spec.output_limit or self.settings.output_limit)
-        return LiveGuest(vm, record, guest)
+        live = LiveGuest(vm, record, guest)
+        branching.attach(self, live, spec, base)  # vm.branch(), once an owner takes it
+        return live
 
     def keep(self, live: LiveGuest) -> None:
         """Leave ``live`` running for ``pytest-smolvm shell``; if that fails, destroy it (in the
