@@ -46,6 +46,7 @@ class VMSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     relax: tuple[str, ...] = ()  # confinement parts turned off for this guest (settings.RELAX_CHOICES)
+    branchable: bool = False  # smol: start it so that it can be branched (vm.branch); namespace: always can
 
 
 def spec_to_json(spec: VMSpec) -> dict[str, Any]:

@@ -80,7 +80,9 @@ class PoolBrancher:
                     slots.append(capacity.acquire(max_vms))
                 if alive is not None:
                     admitted.append(alive.acquire())
-            specs = [self._spec(pool.new_name()) for _ in range(n)]
+            # smol: branch_batch's children cannot be branchable (the engine's one call makes
+            # plain ones); a single branch of a branchable parent is branchable in turn.
+            specs = [self._spec(pool.new_name(), branchable=self.spec.branchable and n == 1) for _ in range(n)]
             reserve = getattr(backend, "reserve", None)
             for spec in specs:  # recorded before it starts, with its parent named
                 record = registry.Record.for_this_process(spec.name, pool.plan.backend, pool.run_id, pool.worker,
@@ -117,12 +119,12 @@ class PoolBrancher:
             live.provision_seconds = time.monotonic() - started
         return made
 
-    def _spec(self, name: str) -> VMSpec:
+    def _spec(self, name: str, *, branchable: bool) -> VMSpec:
         pool, spec = self.pool, self.spec
         return VMSpec(
             name=name, baseline=self.base, cpus=spec.cpus, memory_mb=spec.memory_mb,
             network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-            labels={"pytest-smolvm": "1", "run": pool.run_id, "worker": pool.worker,
+            branchable=branchable, labels={"pytest-smolvm": "1", "run": pool.run_id, "worker": pool.worker,
                     "parent": self.parent.vm.name})
 
     def _adopt(self, record: registry.Record, guest: Any) -> LiveGuest:

@@ -233,7 +233,8 @@ class GuestPool:
         vm_spec = VMSpec(
             name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
             network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())})
+            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())},
+            branchable=spec.branchable)
 
         def late(guest: Guest | None, error: BaseException | None) -> None:
             # The caller was interrupted (Ctrl-C, a test timeout) while the backend made the

@@ -43,8 +43,8 @@ def _gone(name: str, timeout: float = 10.0) -> None:
 def test_a_child_sees_the_parent_as_it_was_then_each_goes_its_own_way(smol_state: Path) -> None:
     with Session(backend="namespace") as session:
         parent = session.create("episode")
-        parent.exec("mkdir -p /w/d && echo before > /w/d/f && rm /etc/hostname && "
-                    "sleep 300 >/dev/null 2>&1 &", check=True)
+        parent.exec("mkdir -p /w/d && echo before > /w/d/f && rm /etc/hostname", check=True)
+        parent.exec("sleep 300 >/dev/null 2>&1 &", check=True)
         child = parent.branch()
         assert child.name != parent.name
         assert child.read_file("/w/d/f") == b"before\n"
