@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -294,4 +297,24 @@ def test_children_of_passing_failing_erroring_and_timed_out_tests_are_destroyed(
     result = pytester.runpytest_subprocess("-p", "no:randomly")
     result.assert_outcomes(passed=2, failed=2, errors=1)
     assert_host_clean(smol_state)
+    assert list(records()) == []
+
+
+def test_a_crashed_owner_leaves_no_branch_behind(smol_state: Path, tmp_path: Path) -> None:
+    """SIGKILL of the process that made a parent and its branches: the helper it leaves behind
+    removes every guest, the branches' copied layers included (no reaper needed)."""
+    script = tmp_path / "crash.py"
+    script.write_text(f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from pytest_smolvm import Session
+session = Session(backend="namespace")
+parent = session.create()
+parent.write_file("/w/x", "1")
+parent.branch_batch(2)[0].branch()
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    proc = subprocess.run([sys.executable, str(script)], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert_host_clean(smol_state, timeout=10)
     assert list(records()) == []
