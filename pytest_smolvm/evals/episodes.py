@@ -310,6 +310,7 @@ class EpisodesPlugin:
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
+            **({"branches": b} if (b := artifacts.branched_from(guests)) else {}),  # vm.branch's children
             "egress": egress_counts([a for g in guests for a in g.egress]),
             "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,

@@ -86,6 +86,11 @@ def failed_so_far(item: pytest.Item) -> bool:
     return item.stash.get(STATE_KEY, _ItemState()).failed
 
 
+def branched_from(guests: list[LiveGuest]) -> dict[str, str]:
+    """Each guest made by ``vm.branch`` among ``guests``, and the guest it was branched from."""
+    return {live.vm.name: live.record.parent for live in guests if live.record.parent}
+
+
 def finished_guests(item: pytest.Item) -> list[LiveGuest]:
     """Every guest the test had, also after they were destroyed (durations, names)."""
     return list(item.stash.get(STATE_KEY, _ItemState()).guests)

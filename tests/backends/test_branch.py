@@ -23,6 +23,7 @@ from pytest_smolvm.backends.namespace import branch as nsbranch
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.errors import GuestError
+from pytest_smolvm.evals.episodes import read_results
 from pytest_smolvm.host.procs import is_alive
 from pytest_smolvm.host.registry import records
 from pytest_smolvm.session.pool import READY_TEST_ID
@@ -294,8 +295,13 @@ def test_children_of_passing_failing_erroring_and_timed_out_tests_are_destroyed(
                 time.sleep(0.05)
             assert alive == [smol_vm.name]
     """)
-    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-results=results.jsonl")
     result.assert_outcomes(passed=2, failed=2, errors=1)
+    lines = {line["function"].split("::")[-1]: line for line in read_results(pytester.path / "results.jsonl")}
+    passed = lines["test_pass"]
+    (parent, kid, grandkid) = passed["vms"]  # each child named with its parent in the results line
+    assert passed["branches"] == {kid: parent, grandkid: kid}
+    assert "branches" not in lines["test_zz_none_of_them_outlived_its_test"]
     assert_host_clean(smol_state)
     assert list(records()) == []
 
