@@ -153,6 +153,20 @@ class ReapReport:
                 "'pytest-smolvm reap NAME' on the host that made one removes it")
 
 
+def _branches_first(found: list[Record]) -> list[Record]:
+    """Deepest branches first, each before the guest it was branched from (vm.branch): the smol
+    engine refuses to delete "the branch source of N live machines"."""
+    by_name = {record.name: record for record in found}
+
+    def depth(record: Record) -> int:
+        steps = 0
+        while record.parent in by_name and steps < len(by_name):  # bounded: a cycle cannot hang it
+            record, steps = by_name[record.parent], steps + 1
+        return steps
+
+    return sorted(found, key=depth, reverse=True)
+
+
 def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) -> ReapReport:
     """Destroy every recorded guest that ``select`` picks, then forget it.
 
@@ -160,7 +174,7 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
     """
     report = ReapReport()
     sweep_partial_saves()
-    for record in list(records()):
+    for record in _branches_first(list(records())):
         if not select(record):
             if record.here is not True and not record.kept:
                 report.left.append(record.name)

@@ -324,3 +324,16 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert_host_clean(smol_state, timeout=10)
     assert list(records()) == []
+
+
+def test_the_reaper_destroys_branches_before_their_parents(smol_state: Path) -> None:
+    from pytest_smolvm.host import registry
+
+    for name, parent in [("a-parent", None), ("b-grandchild", "c-child"), ("c-child", "a-parent"), ("d-other", None)]:
+        record = registry.Record.for_this_process(name, "namespace", "run", "main", "t")
+        record.parent = parent
+        record.save()
+    order: list[str] = []
+    registry.reap(lambda record: True, lambda record: order.append(record.name))
+    assert order.index("b-grandchild") < order.index("c-child") < order.index("a-parent")
+    assert list(records()) == []
