@@ -47,12 +47,14 @@ def _gone(name: str, timeout: float = 10.0) -> None:
 def test_a_child_sees_the_parent_as_it_was_then_each_goes_its_own_way(smol_state: Path) -> None:
     with Session(backend="namespace") as session:
         parent = session.create("episode")
-        parent.exec("mkdir -p /w/d && echo before > /w/d/f && rm /etc/hostname", check=True)
+        parent.exec("mkdir -p /w/d && echo before > /w/d/f && rm /etc/hostname && "
+                    "rm -rf /etc/apk && mkdir /etc/apk && echo x > /etc/apk/mine", check=True)
         parent.exec("sleep 300 >/dev/null 2>&1 &", check=True)
         child = parent.branch()
         assert child.name != parent.name
         assert child.read_file("/w/d/f") == b"before\n"
         assert child.exec("test -e /etc/hostname").exit_code == 1, "a deletion in the parent is carried"
+        assert child.exec("ls /etc/apk").stdout == "mine\n", "a dir made anew hides the baseline's (opaque)"
         assert "sleep" not in child.exec("ps -o comm").stdout, "processes are not carried"
         assert "not its processes" in child.logs()  # said once, in the child's log
         parent.write_file("/w/d/f", "parent after")
