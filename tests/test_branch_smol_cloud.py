@@ -3,6 +3,11 @@ the engine's rules (a source must be started branchable; a parent goes after its
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,3 +87,36 @@ def test_branch_batch_and_reward_on_smol_cloud(pytester: pytest.Pytester, cloud:
     assert any(key.endswith("/branches/batch") for key in calls), calls
     cloud.wait_for_no_machines(token=token)
     assert [r for r in registry.records()] == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_mid_test_deletes_a_whole_family(pytester: pytest.Pytester, cloud: LoopbackCloud, token: str,
+                                               sig: signal.Signals) -> None:
+    """A parent, its batch, a branch and a grandchild, then Ctrl-C: the engine deletes a parent
+    only after its branches, and the run leaves no machine and no record."""
+    started = pytester.path / "started"
+    pytester.makepyfile(f"""
+        import time
+        from pathlib import Path
+        import pytest
+
+        @pytest.mark.smol(branchable=True)
+        def test_long(smol_vm):
+            smol_vm.branch_batch(2)
+            smol_vm.branch().branch()
+            Path({str(started)!r}).write_text("")
+            time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SMOL], cwd=pytester.path, env=os.environ.copy(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert started.exists(), proc.communicate(timeout=60)[0]
+    assert len([m for m in cloud.machines() if m["owner"] == token]) >= 5
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "INTERNALERROR" not in out and "could not be destroyed" not in out, out
+    assert [m for m in cloud.machines() if m["owner"] == token] == [], out
+    assert list(registry.records()) == [], out
