@@ -339,3 +339,18 @@ def test_the_reaper_destroys_branches_before_their_parents(smol_state: Path) -> 
     registry.reap(lambda record: True, lambda record: order.append(record.name))
     assert order.index("b-grandchild") < order.index("c-child") < order.index("a-parent")
     assert list(records()) == []
+
+
+def test_the_reaper_removes_a_branch_layer_by_its_record(tmp_path: Path) -> None:
+    """``pytest-smolvm reap`` destroys by the record alone: a branch's layers go with its scratch dir."""
+    from pytest_smolvm.backends.namespace.guest import destroy_recorded
+
+    scratch = tmp_path / "scratch" / "smol-x-main-2"
+    scratch.mkdir(parents=True)
+    layer = tmp_path / "layers" / "smol-x-main-2" / "0"
+    (layer / "d").mkdir(parents=True)
+    (layer / "d" / "f").write_text("copied")
+    (layer / "up").symlink_to(tmp_path)  # a link in the copy is removed, never followed
+    destroy_recorded({"scratch": str(scratch), "cgroups": []})
+    assert not scratch.exists() and not (tmp_path / "layers" / "smol-x-main-2").exists()
+    assert (tmp_path / "layers").is_dir()
