@@ -52,9 +52,11 @@ def overlay_mounts() -> list[str]:
 def leftovers(state_dir: Path) -> dict[str, list[str]]:
     registry = state_dir / "registry"
     scratch = state_dir / "scratch"
+    layers = state_dir / "layers"  # branches' copies of their parents' files (vm.branch)
     found = {
         "registry records": sorted(p.name for p in registry.glob("*")) if registry.is_dir() else [],
         "scratch dirs": sorted(p.name for p in scratch.iterdir()) if scratch.is_dir() else [],
+        "branch layers": sorted(p.name for p in layers.iterdir()) if layers.is_dir() else [],
         "processes": guest_processes(state_dir),
         "cgroups": guest_cgroups(state_dir),
         "mounts": overlay_mounts(),

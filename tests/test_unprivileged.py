@@ -80,6 +80,15 @@ def test_guest(smol_vm, i, tmp_path):
     assert smol_vm.exec("cat /workspace/tree/d3/f99").stdout == "3/99"
     smol_vm.copy_out("/workspace", tmp_path / "out")
     assert (tmp_path / "out" / "mine").read_text() == str(i)
+
+def test_branch(smol_vm):
+    # vm.branch in a user namespace: the copy keeps the overlay's whiteouts and opaque dirs
+    smol_vm.exec("rm /etc/hostname && rm -rf /etc/apk && mkdir /etc/apk && echo x > /etc/apk/mine", check=True)
+    child = smol_vm.branch()
+    assert child.exec("test -e /etc/hostname").exit_code == 1
+    assert child.exec("ls /etc/apk").stdout == "mine\\n"
+    child.write_file("/etc/apk/mine", "child")
+    assert smol_vm.read_file("/etc/apk/mine") == b"x\\n"
 ''')
         for sub in ("state", "cache", "tmp"):
             (home / sub).mkdir()
@@ -94,7 +103,7 @@ def test_guest(smol_vm, i, tmp_path):
              "-p", "no:cacheprovider", "--smol-backend=namespace", "-n", "2", str(home / "test_user.py")],
             cwd=home, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert "4 passed" in result.stdout
+        assert "5 passed" in result.stdout
         assert "guests run in a user namespace (unprivileged)" in result.stdout
         assert_host_clean(home / "state")
     finally:

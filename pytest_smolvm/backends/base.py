@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pytest_smolvm import limits
+from pytest_smolvm.errors import UsageError
 
 if TYPE_CHECKING:
     from pytest_smolvm.baselines.baseline import Baseline
@@ -45,6 +46,7 @@ class VMSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     relax: tuple[str, ...] = ()  # confinement parts turned off for this guest (settings.RELAX_CHOICES)
+    branchable: bool = False  # smol: start it so that it can be branched (vm.branch); namespace: always can
 
 
 def spec_to_json(spec: VMSpec) -> dict[str, Any]:
@@ -251,3 +253,22 @@ class Backend(Protocol):
         """Remove what this backend made outside the registry (e.g. baseline machines) for dead owners."""
 
     def close(self) -> None: ...
+
+
+class Branching(Protocol):
+    """The optional capability to branch a running guest (``vm.branch``; issue 45).
+
+    ``branch(parent, specs)`` makes one child per spec (its name, labels and limits), each
+    starting from ``parent``'s state now; afterwards each goes its own way. All or none: on
+    an error the backend has destroyed whatever children it made, and raises.
+    """
+
+    def branch(self, parent: Guest, specs: Sequence[VMSpec]) -> list[Guest]: ...
+
+
+def branching(backend: object) -> Branching:
+    """``backend`` as a :class:`Branching` backend, or a one-line UsageError saying it is not one."""
+    if not callable(getattr(backend, "branch", None)):
+        raise UsageError(f"vm.branch: the {getattr(backend, 'name', type(backend).__name__)} backend cannot "
+                         "branch a running guest (it has no branch capability)")
+    return backend  # type: ignore[return-value]  # checked above: it has the one method

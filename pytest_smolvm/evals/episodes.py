@@ -36,6 +36,7 @@ from pytest_smolvm.evals import causes
 from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.glue import PluginGlue
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
+from pytest_smolvm.session.live import branched_from
 
 if TYPE_CHECKING:
     from pytest_smolvm.session.run import SmolRun
@@ -309,6 +310,7 @@ class EpisodesPlugin:
             "info": episode.info if episode else {},
             "durations": durations,
             "vms": [g.vm.name for g in guests],
+            **({"branches": b} if (b := branched_from(guests)) else {}),  # vm.branch's children
             "egress": egress_counts([a for g in guests for a in g.egress]),
             "backend": first.backend if first else self._backend(),
             "baseline": first.baseline if first else None,

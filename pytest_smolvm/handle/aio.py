@@ -78,6 +78,15 @@ class AsyncVM:
     write_file = _awaited(GuestHandle.write_file)
     copy_in = _awaited(GuestHandle.copy_in)
     copy_out = _awaited(GuestHandle.copy_out)
+    reward = _awaited(GuestHandle.reward)  # cancelling the await leaves the branch to finish, then go
+
+    async def branch(self) -> AsyncVM:
+        """``vm.branch()`` awaited: the child as an async handle (its blocking one is ``.sync``)."""
+        return AsyncVM(await _Loop().run(self.sync.branch))
+
+    async def branch_batch(self, n: int) -> list[AsyncVM]:
+        """``vm.branch_batch(n)`` awaited: the children as async handles, all or none."""
+        return [AsyncVM(child) for child in await _Loop().run(lambda: self.sync.branch_batch(n))]
 
 
 async def in_thread(fn: Callable[[], T]) -> T:

@@ -18,15 +18,17 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol, cast
 
 from pytest_smolvm import limits
-from pytest_smolvm.errors import GuestError, GuestFileNotFoundError
+from pytest_smolvm.errors import GuestError, GuestFileNotFoundError, UsageError
 from pytest_smolvm.limits import guest_env, guest_timeout
 from pytest_smolvm.untrusted import confined, rules
 from pytest_smolvm.untrusted.walk import rmtree
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; only the checker reads it
+
     from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback
 
 from pytest_smolvm.handle.result import (
@@ -39,6 +41,21 @@ from pytest_smolvm.handle.result import (
 )
 
 PAYLOAD = "payload"
+MAX_BRANCHES = 64  # children per call: a typo (branch_batch(10_000)) fails at once, not at the host's limits
+
+
+class Brancher(Protocol):
+    """What the guest's owner (the test's fixture, a ``Session``) gives its handle so that it
+    can branch: children made as the owner's own guests (session/branching.py)."""
+
+    def branch(self, n: int, *, throwaway: bool = False) -> list[GuestHandle]:
+        """``n`` children, all or none; ``throwaway``: not handed to the owner (the caller
+        discards it; the pool's close and the reaper still know it)."""
+        ...
+
+    def discard(self, child: GuestHandle) -> None:
+        """Destroy ``child`` now (a ``reward`` branch); never raises."""
+        ...
 
 
 class GuestHandle:
@@ -56,6 +73,7 @@ class GuestHandle:
         self.baseline = baseline
         self.digest = digest
         self.transcript: list[TranscriptEntry] = []
+        self._brancher: Brancher | None = None  # set by the guest's owner (session/branching.py)
 
     @property
     def name(self) -> str:
@@ -121,6 +139,34 @@ class GuestHandle:
                                                _tail(result.stdout), _tail(result.stderr), result.timed_out,
                                                error="cancelled" if raw.cancelled else "", truncated=raw.truncated))
         return result.check() if check else result
+
+    # ------------------------------------------------------------------ branches
+
+    def branch(self) -> Self:
+        """A new guest whose state is this guest's state now; then each goes its own way.
+
+        The child belongs to this guest's owner (the test or the Session) and is destroyed with
+        it. smol: memory and disk are carried; namespace: the filesystem only (no processes).
+        """
+        return self.branch_batch(1)[0]
+
+    def branch_batch(self, n: int) -> list[Self]:
+        """``n`` children at once (see :meth:`branch`): all made, or none (an error leaves none)."""
+        return cast("list[Self]", brancher_of(self).branch(batch_size(n)))  # the owner makes our kind
+
+    def reward(self, cmd: str | Sequence[str], *, timeout: Timeout = DEFAULT,
+               env: Mapping[str, str] | None = None, workdir: str | None = None,
+               stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
+               on_output: OutputCallback | None = None) -> ExecResult:
+        """Run ``cmd`` (as :meth:`exec`) in a throwaway branch of this guest, destroyed right
+        after whatever happens: a grader's writes and processes never touch the episode."""
+        brancher = brancher_of(self)
+        child = brancher.branch(1, throwaway=True)[0]
+        try:
+            return child.exec(cmd, timeout=timeout, env=env, workdir=workdir, stdin=stdin, user=user,
+                              check=check, on_output=on_output)
+        finally:
+            brancher.discard(child)
 
     # ------------------------------------------------------------------ files
 
@@ -244,6 +290,20 @@ class GuestHandle:
         if not self.transcript:
             return "(no commands were run in this guest)"
         return "\n".join(entry.render() for entry in self.transcript)
+
+
+def batch_size(n: object) -> int:
+    """``n`` as a batch size, or a one-line ValueError naming the argument."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BRANCHES:
+        raise ValueError(f"vm.branch_batch: n must be an integer from 1 to {MAX_BRANCHES}, got {n!r}")
+    return n
+
+
+def brancher_of(handle: GuestHandle) -> Brancher:
+    if handle._brancher is None:
+        raise UsageError(f"vm.branch: guest {handle.name} has no owner that can branch it (a handle made "
+                         "outside smol_vm, smol_vm_factory and Session)")
+    return handle._brancher
 
 
 @functools.cache

@@ -53,6 +53,7 @@ class Record:
     owner_host: str | None = None
     owner_boot: str | None = None
     owner_pidns: str | None = None
+    parent: str | None = None  # the guest this one was branched from (vm.branch), if any
 
     @classmethod
     def for_this_process(cls, name: str, backend: str, run_id: str, worker: str, test_id: str) -> Record:
@@ -152,6 +153,20 @@ class ReapReport:
                 "'pytest-smolvm reap NAME' on the host that made one removes it")
 
 
+def _branches_first(found: list[Record]) -> list[Record]:
+    """Deepest branches first, each before the guest it was branched from (vm.branch): the smol
+    engine refuses to delete "the branch source of N live machines"."""
+    by_name = {record.name: record for record in found}
+
+    def depth(record: Record) -> int:
+        steps = 0
+        while record.parent in by_name and steps < len(by_name):  # bounded: a cycle cannot hang it
+            record, steps = by_name[record.parent], steps + 1
+        return steps
+
+    return sorted(found, key=depth, reverse=True)
+
+
 def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) -> ReapReport:
     """Destroy every recorded guest that ``select`` picks, then forget it.
 
@@ -159,7 +174,7 @@ def reap(select: Callable[[Record], bool], destroy: Callable[[Record], None]) ->
     """
     report = ReapReport()
     sweep_partial_saves()
-    for record in list(records()):
+    for record in _branches_first(list(records())):
         if not select(record):
             if record.here is not True and not record.kept:
                 report.left.append(record.name)

@@ -282,6 +282,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
                     smol_baseline_setup: Sequence[str]) -> Iterator[Callable[..., VM]]:
     """Make guests on demand: smol_vm_factory(**marker_keywords); all destroyed at teardown."""
     from pytest_smolvm.plugin import artifacts, premade
+    from pytest_smolvm.session import branching
     from pytest_smolvm.session.warm import BaselineSetup
 
     item = request.node
@@ -334,6 +335,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
                                      ("smolvm_baseline", live.vm.baseline),
                                      ("smolvm_baseline_digest", live.vm.digest)]
         made.append(live)
+        branching.own(live.vm, made.append)  # its children: this test's guests, destroyed before it
         item.config.hook.pytest_smolvm_vm_ready(item=item, vm=live.vm)
         return live.vm
 

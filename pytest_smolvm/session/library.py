@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_smolvm.errors import ClosedError, UsageError
 from pytest_smolvm.handle.vm import VM
+from pytest_smolvm.session import branching
 from pytest_smolvm.session.run import SmolRun
 from pytest_smolvm.session.settings import MarkerSpec, Settings
 
@@ -97,7 +98,12 @@ class Session:
             if self._closed:  # closed as it returned: the pool's close() has it
                 raise closed
             self._live[live.vm.name] = live
+        branching.own(live.vm, self._own_child)
         return live.vm
+
+    def _own_child(self, live: LiveGuest) -> None:
+        with self._lock:  # a branch of this session's guest: destroyed by destroy() or close()
+            self._live[live.vm.name] = live
 
     def destroy(self, vm: VM) -> None:
         """Destroy ``vm`` (in the background: this returns at once; :meth:`close` waits for it)."""

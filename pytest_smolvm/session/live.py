@@ -22,6 +22,17 @@ class LiveGuest:
     admitted: admission.Slot | None = None  # its place among the guests alive on this host
     claimed: bool = False  # handed to its one teardown (destroy, release, keep): see GuestPool._claim
 
+    def leave_admission(self) -> None:
+        """Free its place among the guests alive on this host (a second call does nothing)."""
+        if self.admitted is not None:
+            self.admitted.release()
+            self.admitted = None
+
+
+def branched_from(guests: list[LiveGuest]) -> dict[str, str]:
+    """Each guest made by ``vm.branch`` among ``guests``, and the guest it was branched from."""
+    return {live.vm.name: live.record.parent for live in guests if live.record.parent}
+
 
 def note_egress(live: LiveGuest) -> None:
     """Read the guest's egress ledger just before it goes."""

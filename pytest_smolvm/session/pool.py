@@ -30,7 +30,7 @@ from pytest_smolvm.errors import ClosedError, MarkerError, ProvisionError, SmolV
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.host.signals import signals_deferred
-from pytest_smolvm.session import admission
+from pytest_smolvm.session import admission, branching
 from pytest_smolvm.session.background import Ahead, Shielded, Teardown, attempts_within
 from pytest_smolvm.session.live import LiveGuest as LiveGuest  # where plugin/ and evals/ import it from
 from pytest_smolvm.session.live import note_egress, still_running
@@ -124,26 +124,33 @@ class GuestPool:
 
     def create(self, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None = None, *,
                ahead: bool = True, waiting: Callable[[str], None] | None = None) -> LiveGuest:
-        """Record, then create; retry what the backend calls retryable, with backoff.
+        """Record, then create; retry what the backend calls retryable, with backoff. ``ahead=False``:
+        make no guest ahead (concurrent tests make theirs at once); ``waiting(why)`` runs when
+        admission holds it back. Raises ProvisionError, UsageError (bad spec) or ClosedError."""
+        with self.creating("GuestPool.create") as made:
+            made.append(self._create(test_id, spec, setup, ahead, waiting))
+        return made[0]
 
-        ``ahead=False``: make no guest ahead (concurrent tests make theirs at once); ``waiting(why)``
-        runs when admission control holds it back. Raises ProvisionError, UsageError (bad spec)
-        or ClosedError (the pool is closed, or closed while this create ran: nothing is left).
-        """
+    @contextlib.contextmanager
+    def creating(self, what: str) -> Iterator[list[LiveGuest]]:
+        """One create in flight (a guest, or a guest's children): refused in one line once the
+        pool is closed; ``close()`` waits for it within its deadline. What the caller adds to
+        the list is destroyed, and ClosedError raised, if ``close()`` began meanwhile (it took
+        what it found; what it missed is the creator's)."""
         with self._life:
             if self._closed:
-                raise ClosedError("GuestPool.create: the pool is closed")
+                raise ClosedError(f"{what}: the pool is closed")
             self._creating += 1
+        made: list[LiveGuest] = []
         try:
-            live = self._create(test_id, spec, setup, ahead, waiting)
+            yield made
             with self._life:
                 closed = self._closed
-            if closed:  # close() took what it found; whatever it missed is this call's to destroy
-                self.destroy(live)  # (a no-op if close() claimed it first: before its slot was set)
-                if live.admitted is not None:  # (a release twice is a no-op)
-                    live.admitted.release()
-                raise ClosedError("GuestPool.create: the pool was closed while the guest was made")
-            return live
+            if closed:
+                for live in made:
+                    self.destroy(live)  # (a no-op if close() claimed it first: before its slot was set)
+                    live.leave_admission()
+                raise ClosedError(f"{what}: the pool was closed while the guest was made")
         finally:
             with self._life:
                 self._creating -= 1
@@ -180,18 +187,11 @@ class GuestPool:
 
     @property
     def makes_ahead(self) -> bool:
-        """Make the next guests during this test? Only where it costs the run nothing (third-party
-        backends opt in with ``idle_guests_are_free``).
-
-        The backend's idle guests must be free (a namespace guest is; a smol machine is billed
-        or holds memory), no ``--smol-max-vms`` cap may count a guest nobody uses yet, and the
-        host must have more than one core and at least one per xdist worker. The guests made
-        ahead are work the next tests would do anyway: with a core per worker they fill the
-        time the worker waits on its guest (without it the cores sit idle while guests are
-        made: docs/performance.md); on one core, or with more workers than cores, they would only
-        compete with the tests. With two cores or more per worker, two are made at once: the
-        setups overlap on the cores (one at a time left the test waiting: docs/performance.md).
-        """
+        """Make the next guests during this test? Only where it costs the run nothing: the
+        backend's idle guests are free (``idle_guests_are_free``: a namespace guest's are, a smol
+        machine is billed), no ``--smol-max-vms`` cap counts them, and every xdist worker has a
+        core of its own beside one more (else they only compete with the tests); two at once
+        with two cores per worker (the measurements: docs/performance.md)."""
         if self._make_ahead is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._make_ahead = (getattr(backend_class(self.plan.backend), "idle_guests_are_free", False)
@@ -245,7 +245,8 @@ class GuestPool:
         vm_spec = VMSpec(
             name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
             network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())})
+            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())},
+            branchable=spec.branchable)
 
         def late(guest: Guest | None, error: BaseException | None) -> None:
             # The caller was interrupted (Ctrl-C, a test timeout) while the backend made the
@@ -280,7 +281,9 @@ class GuestPool:
                 baseline=base.reference, digest=base.digest,
                 user=spec.user if spec.user is not None else self.settings.user,
                 output_limit=spec.output_limit or self.settings.output_limit)
-        return LiveGuest(vm, record, guest)
+        live = LiveGuest(vm, record, guest)
+        branching.attach(self, live, spec, base)  # vm.branch(), once an owner takes it
+        return live
 
     def _claim(self, live: LiveGuest) -> bool:
         """Take ``live`` out of :attr:`live` for its one teardown; False if another path has it."""
@@ -305,9 +308,7 @@ class GuestPool:
         except BaseException:
             self._teardown.submit(live)
             raise
-        if live.admitted is not None:
-            live.admitted.release()  # a kept guest no longer counts against the host's bound
-            live.admitted = None
+        live.leave_admission()  # a kept guest no longer counts against the host's bound
 
     def release(self, live: LiveGuest) -> None:
         """Forget ``live`` now and destroy it in the background (see :meth:`destroy`).
@@ -338,8 +339,7 @@ class GuestPool:
 
     def _destroy_now(self, live: LiveGuest) -> str | None:
         error = attempts_within(live.guest.destroy, DESTROY_ATTEMPTS, self.destroy_timeout)
-        if live.admitted is not None:
-            live.admitted.release()
+        live.leave_admission()
         if error is None:
             live.record.remove()
         return error

@@ -22,7 +22,7 @@ TARGET_CHOICES = ("local", "cloud")
 KEEP_CHOICES = ("never", "failed", "always")
 LOGS_CHOICES = ("failed", "always")
 MARKER_KEYWORDS = ("image", "cpus", "memory_mb", "network", "allow_hosts", "timeout", "env", "user", "output_limit",
-                   "relax")
+                   "relax", "branchable")
 SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
 # "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
@@ -258,6 +258,7 @@ class MarkerSpec:
     user: str | int | None = None  # None: --smol-user, else root
     output_limit: int | None = None  # None: --smol-output-limit, else 16 MiB
     relax: tuple[str, ...] = ()
+    branchable: bool = False  # smol: start the guest so that vm.branch() can branch it (namespace: always)
 
     def merged(self, overrides: Mapping[str, Any], where: str) -> MarkerSpec:
         """This spec with ``overrides`` (marker or factory keywords) applied and validated.
@@ -296,9 +297,9 @@ class MarkerSpec:
                 changes[key] = _guest_user(f"{where}(user)", value)
             elif key == "output_limit":
                 changes[key] = byte_size(f"{where}(output_limit)", value)
-            elif key == "network":
+            elif key in ("network", "branchable"):
                 if not isinstance(value, bool):
-                    raise UsageError(f"{where}(network={value!r}): expected True or False")
+                    raise UsageError(f"{where}({key}={value!r}): expected True or False")
                 changes[key] = value
             elif key == "allow_hosts":
                 if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
@@ -329,8 +330,9 @@ def marker_spec(item: pytest.Item) -> MarkerSpec:
 
 MARKERS = (
     "smol(image=None, cpus=None, memory_mb=None, network=False, allow_hosts=[], timeout=None, env={}, "
-    "user=None, output_limit=None, relax=[]): guest settings for this test's smol_vm; relax turns off "
-    "parts of a namespace guest's confinement: seccomp, limits (pytest-smolvm)",
+    "user=None, output_limit=None, relax=[], branchable=False): guest settings for this test's smol_vm; "
+    "relax turns off parts of a namespace guest's confinement: seccomp, limits; branchable starts a smol "
+    "guest so that vm.branch() can branch it (pytest-smolvm)",
     "smol_episodes(n, seed=0, concurrency=1): run this test as n episodes (ids ep0..ep{n-1}), each with a "
     "fresh guest and a deterministic seed, up to `concurrency` at once (async def tests); the smol_episode "
     "fixture records rewards (pytest-smolvm)",

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,6 +23,7 @@ from pytest_smolvm.backends.base import (
     ProbeResult,
     VMSpec,
 )
+from pytest_smolvm.backends.namespace import branch as _nsbranch
 from pytest_smolvm.backends.namespace import cgroups, seccomp
 from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import network as _nsnet
@@ -106,7 +107,8 @@ class NamespaceBackend:
         state = runtime_dir()
         return state, cgroups.state_tag(state)
 
-    def create(self, spec: VMSpec) -> NamespaceGuest:
+    def create(self, spec: VMSpec, *, layers: Sequence[Path] = ()) -> NamespaceGuest:
+        """A guest of ``spec``; ``layers`` (a branch's copy of its parent's upper) go above the baseline."""
         allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
         networked = bool(spec.network or allowed is not None)
         if networked:
@@ -124,8 +126,9 @@ class NamespaceBackend:
                                          disk_mb=spec.disk_mb)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
-                "state": str(state), "lower": [str(rootfs.path)], "disk_mb": spec.disk_mb,
-                "network": spec.network, "send_ns": networked, "userns": self.userns, "seccomp": bpf,
+                "state": str(state), "lower": [*map(str, layers), str(rootfs.path)], "disk_mb": spec.disk_mb,
+                "network": spec.network, "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
+                "userns": self.userns, "seccomp": bpf,
                 "rlimits": self._rlimits(spec, relax),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
@@ -155,7 +158,18 @@ class NamespaceBackend:
             except BaseException:
                 guest.destroy()
                 raise
+        try:
+            guest.upper_fd = _nsbranch.receive_upper(ctl, spec.name)
+        except BaseException:
+            guest.destroy()
+            raise
         return guest
+
+    def branch(self, parent: Guest, specs: Sequence[VMSpec]) -> list[Guest]:
+        """Children with ``parent``'s files as they are now (see branch.py); all or none."""
+        assert isinstance(parent, NamespaceGuest)
+        return _nsbranch.branch(lambda spec, layers: self.create(spec, layers=layers), parent, specs,
+                                self._state[0])
 
     def reserve(self, name: str) -> dict[str, Any]:
         """What ``create`` makes on the host for ``name``, saved in its record before it exists.

@@ -34,6 +34,7 @@ from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove
 from pytest_smolvm.baselines.baseline import Rootfs
 from pytest_smolvm.errors import GuestError, ProvisionError
 from pytest_smolvm.host.procs import process_start_time, wait_gone
+from pytest_smolvm.untrusted.walk import rmtree
 
 KILLED_BY_HOST = 128 + signal.SIGKILL  # a request's exit status when the host cancelled it
 
@@ -69,6 +70,9 @@ class NamespaceGuest:
         self.nat: _nsnet.Nat | None = None  # pasta's watcher and the host's fence table, for network=True
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
         self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
+        self.upper_fd = -1  # its upper layer, a dir fd its setup sent (for vm.branch: branch.py)
+        self.layers: list[Path] = []  # a branch's copies of its ancestors' files, above the baseline
+        self.note = ""  # a line for its logs (a branch says what it did not carry)
 
     @property
     def oom_kills(self) -> int:
@@ -235,12 +239,13 @@ class NamespaceGuest:
 
     def logs(self) -> str:
         # No console: its history is the exec transcript, and with the network, its egress ledger.
+        note = self.note + "\n" if self.note else ""
         if not self.namespaces:
-            return ""
+            return note
         try:
-            return _nsledger.render_ledger(self.egress())
+            return note + _nsledger.render_ledger(self.egress())
         except GuestError as exc:
-            return str(exc)
+            return note + str(exc)
 
     def egress(self) -> list[EgressAttempt]:
         if not self.namespaces or self._destroyed:
@@ -285,6 +290,9 @@ class NamespaceGuest:
         for fd in self.namespaces.values():
             os.close(fd)
         self.namespaces = {}
+        if self.upper_fd >= 0:
+            os.close(self.upper_fd)
+            self.upper_fd = -1
         self._destroyed = True
 
 
@@ -322,3 +330,6 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
             os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
         except FileNotFoundError:
             pass
+        layer = Path(scratch).parent.parent / "layers" / Path(scratch).name  # a branch's copy of its parent
+        if layer.is_dir() and not layer.is_symlink():
+            rmtree(layer)

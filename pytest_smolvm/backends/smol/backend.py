@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import BackendOptions, Guest, ProbeResult, VMSpec
+from pytest_smolvm.backends.smol import branch as _smolbranch
 from pytest_smolvm.backends.smol import proxy_lookup
 from pytest_smolvm.backends.smol.batching import BranchBatcher
 from pytest_smolvm.backends.smol.common import (
@@ -69,6 +70,7 @@ class SmolBackend:
 
     name: ClassVar[str] = "smol"
     isolation: ClassVar[str] = "microvm"
+    branch = _smolbranch.branch  # vm.branch of a guest started branchable=True (smol/branch.py)
     idle_guests_are_free: ClassVar[bool] = False  # a cloud machine is billed; a local one holds its memory
 
     def __init__(self, options: BackendOptions | None = None, *,
@@ -127,8 +129,7 @@ class SmolBackend:
     @classmethod
     def describe_host(cls) -> list[str]:
         """Header lines: what a smol guest is."""
-        return ["guests are copy-on-write branches of a warm microVM (own kernel; smolmachines "
-                f"{_smol_version()})"]
+        return [f"guests are copy-on-write branches of a warm microVM (own kernel; smolmachines {_smol_version()})"]
 
     def prepare_run(self, baseline: Baseline) -> dict[str, str]:
         """Nothing to boot yet: each source is made on the first request for its spec (here, or
@@ -151,13 +152,14 @@ class SmolBackend:
         self._asked = True
         try:
             with engine_bounded(self.target):
-                child = self._batcher.branch(source.name, machine, spec.name,
-                                             lambda extra: delete_machine(extra, extra.name, self.target),
-                                             lambda names: delete_named(names, self.target))
+                child = (machine.branch(spec.name, branchable=True) if spec.branchable  # alone (smol/branch.py)
+                         else self._batcher.branch(source.name, machine, spec.name,
+                                                   lambda extra: delete_machine(extra, extra.name, self.target),
+                                                   lambda names: delete_named(names, self.target)))
         except SmolError as exc:
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,
-                          on_release=self._release)
+                          on_release=self._release, branchable=spec.branchable)
         with self._lock:
             self._children[spec.name] = guest
         return guest
@@ -178,8 +180,7 @@ class SmolBackend:
         with self._lock:
             children = list(self._children.values())
             self._children.clear()
-            sources = [s for s in self._sources.values()
-                       if s.owned and s.name not in self._kept_sources and s.name not in kept]
+            sources = [s for s in self._sources.values() if s.owned and s.name not in self._kept_sources | kept]
             self._sources.clear()
             self._closed = True
         for guest in children:

@@ -79,7 +79,7 @@ class SmolGuest(ExecPlumbing):
 
     def __init__(self, machine: Machine, *, name: str, target: str, source: str | None,
                  env: Mapping[str, str], owned: bool = True,
-                 on_release: Callable[[SmolGuest, bool], None] | None = None) -> None:
+                 on_release: Callable[[SmolGuest, bool], None] | None = None, branchable: bool = False) -> None:
         self.name = name
         self._machine = machine
         self._target = target
@@ -92,6 +92,8 @@ class SmolGuest(ExecPlumbing):
         self._free_scratch: list[str] = []  # exec plumbing file prefixes no call is using (list ops are atomic)
         self._destroyed = False
         self._captured_logs: str | None = None
+        self.branchable = branchable  # started branchable=True (the smol marker's branchable): vm.branch works
+        self.branches: list[SmolGuest] = []  # its live children (vm.branch): the engine deletes them first
 
     @property
     def machine_id(self) -> str:
@@ -240,6 +242,8 @@ class SmolGuest(ExecPlumbing):
                 self._captured_logs = self._collect_logs()
             except Exception as exc:  # logs must never stop a delete
                 self._captured_logs = f"(logs could not be read before delete: {exc})"
+        for child in list(self.branches):  # "the branch source of N live machines; delete them first"
+            child.destroy()
         delete_machine(self._machine, self.name, self._target)
         self._destroyed = True
         if self._on_release is not None:

@@ -262,6 +262,8 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         # (the init, per-request children); execve of a guest command resets it.
         _check(_prctl(PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
         root = _mount_root(req)
+        if req.get("send_upper"):
+            _send_upper(ctl, req["scratch"])
         if not req["userns"]:
             _become_init(root, req, ctl, report_w)
         ready_r, ready_w = os.pipe()
@@ -281,6 +283,18 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         detail = str(exc) if isinstance(exc, (OSError, RuntimeError)) else traceback.format_exc()
         os.write(report_w, json.dumps({"error": detail}).encode())
         os._exit(1)
+
+
+def _send_upper(ctl: socket.socket, scratch: str) -> None:
+    """Hand the host the guest's upper layer as a directory fd, for ``vm.branch`` (the host
+    copies it by fd-only walks while the guest is frozen: backends/namespace/branch.py). Sent
+    before any guest code runs, so the path opened is still the tmpfs just mounted; after the
+    pivot nothing names it. The last message on the control socket before the init serves."""
+    fd = os.open(os.path.join(scratch, "upper"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        socket.send_fds(ctl, [json.dumps({"upper": True}).encode()], [fd])
+    finally:
+        os.close(fd)
 
 
 def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:

@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -143,6 +144,14 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, di
                 except OSError:
                     time.sleep(0.005)  # a cgroup stays busy for a moment after its last task
             else:
+                removed_all = False
+        # A branch's copy of its parent's files (backends/namespace/branch.py): a tree the host
+        # made, links in it never followed (shutil.rmtree's fd-based walk).
+        layers = os.path.join(guest["state"], "layers", guest["name"])
+        if os.path.isdir(layers) and not os.path.islink(layers):
+            try:
+                shutil.rmtree(layers)
+            except OSError:
                 removed_all = False
         if removed_all:  # otherwise the record stays for 'pytest-smolvm reap'
             # With any save the owner was killed in the middle of (registry.Record.save's temp file).
