@@ -96,6 +96,36 @@ def test_creates_racing_close_from_other_threads_leave_nothing(smol_state: Path)
     assert_host_clean(smol_state)
 
 
+def test_branches_racing_close_leave_nothing_and_after_it_are_refused(smol_state: Path) -> None:
+    """A guest's children are creates like any other: close() waits for those in flight, and
+    what a branch made after close() took the pool's guests is destroyed by the branch itself."""
+    session = Session(backend="namespace")
+    vm = session.create()
+    vm.exec("echo state > /root/f")
+    errors: list[BaseException] = []
+
+    def branch() -> None:
+        try:
+            vm.branch()
+        except ClosedError:
+            pass
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=branch) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    assert session.close() == []
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    with pytest.raises(ClosedError, match=rf"^vm.branch of {vm.name}: the pool is closed$"):
+        vm.branch()
+    assert list(records()) == []
+    assert_host_clean(smol_state)
+
+
 def test_close_from_another_thread_never_raises_and_still_reaps(smol_state: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
     session = Session(backend="namespace")
