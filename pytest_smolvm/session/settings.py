@@ -1,6 +1,8 @@
 """Options, ini keys and the ``smol`` marker: parsed once, validated with one-line errors.
 
-Precedence for every setting: marker > command line > ini > default.
+Precedence for every setting: marker > command line > ini > default. This module validates
+(and puts the command line over ini); ``spec.py`` puts a test's keywords over these and the
+default limits, once per guest, into the spec its backend gets.
 """
 
 from __future__ import annotations
