@@ -4,8 +4,9 @@ A child is an ordinary guest of its parent's owner (the test's fixture or a ``Se
 registry record naming its parent is saved before it starts, it holds a ``--smol-max-vms`` slot
 and an admission slot as any guest does, the owner destroys it at teardown (children before
 their parent: they are appended after it), the pool's close destroys it if the owner could
-not, and the reaper finds it by its record. A child can be branched in turn. A batch is all or
-none: a failure destroys what was made and releases every record and slot.
+not, and the reaper finds it by its record. A child can be branched in turn. Its spec is its
+parent's resolved one under its own name (``spec.child``): nothing is resolved again here. A
+batch is all or none: a failure destroys what was made and releases every record and slot.
 """
 
 from __future__ import annotations
