@@ -132,6 +132,16 @@ def test_the_marker_wins_over_the_options_over_the_limits(lowered: limits.Limits
     assert dataclasses.replace(kid, name="n", branchable=True, labels={}) == spec
 
 
+def test_the_default_output_limit_is_read_as_a_guest_is_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not when the settings were read: a Session made before a suite lowers ``LIMITS``."""
+    from pytest_smolvm.session.settings import MarkerSpec, Settings
+    from pytest_smolvm.session.spec import resolve
+
+    early = Settings.from_keywords("Session")
+    monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, output_bytes=5000))
+    assert resolve(early, MarkerSpec(), name="n", baseline=_base(), labels={}).output_limit == 5000
+
+
 def test_the_backend_and_the_handles_get_the_one_resolved_spec(smol_state: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """What the pool hands the backend carries every fallback; the handle and a branch's

@@ -33,8 +33,12 @@ def resolve(settings: Settings, marker: MarkerSpec, *, name: str, baseline: Base
         network=marker.network, allow_hosts=tuple(marker.allow_hosts), env=dict(marker.env),
         labels=dict(labels), relax=tuple(marker.relax), branchable=marker.branchable,
         user=marker.user if marker.user is not None else settings.user,
-        output_limit=marker.output_limit if marker.output_limit is not None else settings.output_limit,
+        output_limit=_first(marker.output_limit, settings.output_limit, defaults.output_bytes),
         timeout=marker.timeout)
+
+
+def _first(*values: int | None) -> int:
+    return next(value for value in values if value is not None)
 
 
 def child(parent: VMSpec, name: str, *, branchable: bool) -> VMSpec:
