@@ -2,7 +2,9 @@
 
 Defaults apply alike on every backend, so a test behaves the same on a laptop's microVM, on
 smol cloud and on a CI host's namespace guests. Code reads ``LIMITS.<field>`` when it
-needs the value, so a ``conftest.py`` may lower one for a suite::
+needs the value, never at import (no default argument, class attribute or constant is bound
+to one: tests/test_spec.py checks); a guest's own (cpus, memory, disk, output) are read into
+its spec when it is made (session/spec.py). So a ``conftest.py`` may lower one for a suite::
 
     import dataclasses
     from pytest_smolvm import limits

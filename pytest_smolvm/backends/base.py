@@ -34,19 +34,33 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class VMSpec:
-    """Everything a backend needs to make one guest; resolved from marker, CLI, ini and defaults."""
+    """One guest, resolved: what its backend makes and what its handle applies to every call.
+
+    The pool resolves it once per guest from the run's settings and the test's keywords
+    (``session/spec.py``, the one place a fallback is applied); a branch's children are copies
+    of their parent's with their own name. Limits are values here, read from ``limits.LIMITS``
+    when a spec is made, never bound at import: a conftest that replaces ``LIMITS`` applies.
+    ``cpus``/``memory_mb`` left None (a spec made by hand, or ``relax=["limits"]``) mean the
+    backend's own default, or none where relaxed.
+    """
 
     name: str
     baseline: Baseline
     cpus: float | None = None
     memory_mb: int | None = None
-    disk_mb: int = limits.LIMITS.disk_mb
+    disk_mb: int = field(default_factory=lambda: limits.LIMITS.disk_mb)
     network: bool = False
     allow_hosts: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     relax: tuple[str, ...] = ()  # confinement parts turned off for this guest (settings.RELAX_CHOICES)
     branchable: bool = False  # smol: start it so that it can be branched (vm.branch); namespace: always can
+    # What the handle applies (backends may ignore them): every call's guest user (None: the
+    # image's), the bytes kept per exec stream, and an exec's timeout when the call names none
+    # (None: no limit).
+    user: str | int | None = None
+    output_limit: int = field(default_factory=lambda: limits.LIMITS.output_bytes)
+    timeout: float | None = None
 
 
 def spec_to_json(spec: VMSpec) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from pytest_smolvm.untrusted.walk import rmtree
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; only the checker reads it
 
-    from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback
+    from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback, VMSpec
 
 from pytest_smolvm.handle.result import (
     DEFAULT,
@@ -63,17 +63,26 @@ class GuestHandle:
 
     def __init__(self, guest: Guest, *, default_timeout: float | None = None,
                  backend: str = "", isolation: str = "", baseline: str = "", digest: str = "",
-                 user: str | int | None = None, output_limit: int = limits.LIMITS.output_bytes) -> None:
+                 user: str | int | None = None, output_limit: int | None = None) -> None:
         self._guest = guest
         self.default_timeout = default_timeout
         self.user = user  # every exec and file operation runs as this guest user (None: the image's)
-        self.output_limit = output_limit
+        # None: the default read now (not bound at import: a conftest may replace limits.LIMITS)
+        self.output_limit = output_limit if output_limit is not None else limits.LIMITS.output_bytes
         self.backend = backend
         self.isolation = isolation
         self.baseline = baseline
         self.digest = digest
         self.transcript: list[TranscriptEntry] = []
         self._brancher: Brancher | None = None  # set by the guest's owner (session/branching.py)
+
+    @classmethod
+    def for_spec(cls, guest: Guest, spec: VMSpec, *, backend: str, isolation: str) -> Self:
+        """The handle of ``guest``, made from ``spec``: its user, output limit and exec timeout
+        are the resolved spec's (session/spec.py), never resolved again here."""
+        return cls(guest, default_timeout=spec.timeout, backend=backend, isolation=isolation,
+                   baseline=spec.baseline.reference, digest=spec.baseline.digest, user=spec.user,
+                   output_limit=spec.output_limit)
 
     @property
     def name(self) -> str:
@@ -179,8 +188,11 @@ class GuestHandle:
         self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode,
                                user=self._user())
 
-    def read_file(self, path: str, *, max_bytes: int = limits.LIMITS.read_bytes) -> bytes:
-        """The bytes of guest file ``path``; a file over ``max_bytes`` raises ``OSError(EFBIG)``."""
+    def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The bytes of guest file ``path``; a file over ``max_bytes`` (None: ``LIMITS.read_bytes``,
+        read now) raises ``OSError(EFBIG)``."""
+        if max_bytes is None:
+            max_bytes = limits.LIMITS.read_bytes
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"read_file: max_bytes must be a positive integer, got {max_bytes!r}")
         path = self._guest_path(path, "read_file")

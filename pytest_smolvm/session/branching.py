@@ -4,15 +4,16 @@ A child is an ordinary guest of its parent's owner (the test's fixture or a ``Se
 registry record naming its parent is saved before it starts, it holds a ``--smol-max-vms`` slot
 and an admission slot as any guest does, the owner destroys it at teardown (children before
 their parent: they are appended after it), the pool's close destroys it if the owner could
-not, and the reaper finds it by its record. A child can be branched in turn. A batch is all or
-none: a failure destroys what was made and releases every record and slot.
+not, and the reaper finds it by its record. A child can be branched in turn. Its spec is its
+parent's resolved one under its own name (``spec.child``): nothing is resolved again here. A
+batch is all or none: a failure destroys what was made and releases every record and slot.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_smolvm.backends.base import VMSpec, branching
 from pytest_smolvm.errors import ProvisionError, UsageError
@@ -21,10 +22,7 @@ from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.session import admission
 from pytest_smolvm.session.live import LiveGuest
-
-if TYPE_CHECKING:
-    from pytest_smolvm.baselines.baseline import Baseline
-    from pytest_smolvm.session.settings import MarkerSpec
+from pytest_smolvm.session.spec import child as child_spec
 
 # The pool, typed loosely: it imports this module (no cycle, even for the type checker's imports).
 GuestPool = Any
@@ -34,8 +32,8 @@ Owner = Callable[[Any], None]  # takes a child (a LiveGuest) into its owner's li
 class PoolBrancher:
     """Makes ``parent``'s children in ``pool``, for ``parent``'s owner (see :func:`own`)."""
 
-    def __init__(self, pool: GuestPool, parent: LiveGuest, spec: MarkerSpec, base: Baseline) -> None:
-        self.pool, self.parent, self.spec, self.base = pool, parent, spec, base
+    def __init__(self, pool: GuestPool, parent: LiveGuest, spec: VMSpec) -> None:
+        self.pool, self.parent, self.spec = pool, parent, spec  # spec: the parent's, resolved once
         self.owner: Owner | None = None
 
     def branch(self, n: int, *, throwaway: bool = False) -> list[GuestHandle]:
@@ -47,9 +45,9 @@ class PoolBrancher:
         with self.pool.creating(what) as children:
             children.extend(self._make(n))
         for live in children:
-            child = PoolBrancher(self.pool, live, self.spec, self.base)
+            child = live.vm._brancher  # attached as it was adopted, of its own spec
+            assert isinstance(child, PoolBrancher)
             child.owner = owner
-            live.vm._brancher = child
             if not throwaway:
                 assert owner is not None
                 owner(live)
@@ -79,7 +77,8 @@ class PoolBrancher:
                 admitted.append(alive.acquire())
             # smol: branch_batch's children cannot be branchable (the engine's one call makes
             # plain ones); a single branch of a branchable parent is branchable in turn.
-            specs = [self._spec(pool.new_name(), branchable=self.spec.branchable and n == 1) for _ in range(n)]
+            specs = [child_spec(self.spec, pool.new_name(), branchable=self.spec.branchable and n == 1)
+                     for _ in range(n)]
             reserve = getattr(backend, "reserve", None)
             for spec in specs:  # recorded before it starts, with its parent named
                 record = registry.Record.for_this_process(spec.name, pool.plan.backend, pool.run_id, pool.worker,
@@ -94,8 +93,8 @@ class PoolBrancher:
                 guests = backend.branch(parent.guest, specs)  # all or none: the backend's contract
             finally:
                 turn.release()
-            for record, guest in zip(records, guests, strict=True):
-                made.append(self._adopt(record, guest))
+            for record, guest, spec in zip(records, guests, specs, strict=True):
+                made.append(self._adopt(record, guest, spec))
         except BaseException as exc:
             for live in made:
                 pool.destroy(live)
@@ -112,29 +111,20 @@ class PoolBrancher:
             live.provision_seconds = time.monotonic() - started
         return made
 
-    def _spec(self, name: str, *, branchable: bool) -> VMSpec:
-        pool, spec = self.pool, self.spec
-        return VMSpec(
-            name=name, baseline=self.base, cpus=spec.cpus, memory_mb=spec.memory_mb,
-            network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-            branchable=branchable, labels={"pytest-smolvm": "1", "run": pool.run_id, "worker": pool.worker,
-                    "parent": self.parent.vm.name})
-
-    def _adopt(self, record: registry.Record, guest: Any) -> LiveGuest:
+    def _adopt(self, record: registry.Record, guest: Any, spec: VMSpec) -> LiveGuest:
         record.data = guest.registry_data()
         record.save()
-        vm = self.parent.vm
-        child = VM(guest, default_timeout=vm.default_timeout, backend=vm.backend,
-                   isolation=vm.isolation, baseline=vm.baseline, digest=vm.digest, user=vm.user,
-                   output_limit=vm.output_limit)
+        parent = self.parent.vm
+        child = VM.for_spec(guest, spec, backend=parent.backend, isolation=parent.isolation)
         live = LiveGuest(child, record, guest)
+        attach(self.pool, live, spec)
         self.pool.live[child.name] = live
         return live
 
 
-def attach(pool: GuestPool, live: LiveGuest, spec: MarkerSpec, base: Baseline) -> None:
-    """Let ``live`` be branched once an owner takes it (:func:`own`)."""
-    live.vm._brancher = PoolBrancher(pool, live, spec, base)
+def attach(pool: GuestPool, live: LiveGuest, spec: VMSpec) -> None:
+    """Let ``live`` (made of the resolved ``spec``) be branched once an owner takes it (:func:`own`)."""
+    live.vm._brancher = PoolBrancher(pool, live, spec)
 
 
 def own(vm: GuestHandle, owner: Owner) -> None:

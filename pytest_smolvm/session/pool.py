@@ -36,6 +36,7 @@ from pytest_smolvm.session.live import LiveGuest as LiveGuest  # where plugin/ a
 from pytest_smolvm.session.live import note_egress, still_running
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
+from pytest_smolvm.session.spec import resolve
 from pytest_smolvm.session.warm import BaselineSetup, WarmBaselines
 
 DESTROY_ATTEMPTS = 2
@@ -242,11 +243,8 @@ class GuestPool:
         if reserve is not None:
             record.data = reserve(name)
         record.save()
-        vm_spec = VMSpec(
-            name=name, baseline=base, cpus=spec.cpus, memory_mb=spec.memory_mb,
-            network=spec.network, allow_hosts=spec.allow_hosts, env=dict(spec.env), relax=spec.relax,
-            labels={"pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())},
-            branchable=spec.branchable)
+        vm_spec = resolve(self.settings, spec, name=name, baseline=base, labels={
+            "pytest-smolvm": "1", "run": self.run_id, "worker": self.worker, "owner_pid": str(os.getpid())})
 
         def late(guest: Guest | None, error: BaseException | None) -> None:
             # The caller was interrupted (Ctrl-C, a test timeout) while the backend made the
@@ -254,7 +252,7 @@ class GuestPool:
             if guest is None:
                 record.remove()
             else:
-                self._teardown.submit(self._adopt(record, guest, spec, base))
+                self._teardown.submit(self._adopt(record, guest, vm_spec))
 
         try:
             if threading.current_thread() is threading.main_thread():
@@ -269,20 +267,16 @@ class GuestPool:
             if not isinstance(exc, ProvisionError):
                 raise ProvisionError(f"{type(exc).__name__}: {exc}") from exc
             raise
-        live = self._adopt(record, guest, spec, base)
+        live = self._adopt(record, guest, vm_spec)
         self.live[name] = live
         return live
 
-    def _adopt(self, record: registry.Record, guest: Guest, spec: MarkerSpec, base: Baseline) -> LiveGuest:
+    def _adopt(self, record: registry.Record, guest: Guest, spec: VMSpec) -> LiveGuest:
         record.data = guest.registry_data()
         record.save()
-        plan = self.plan
-        vm = VM(guest, default_timeout=spec.timeout, backend=plan.backend, isolation=plan.isolation,
-                baseline=base.reference, digest=base.digest,
-                user=spec.user if spec.user is not None else self.settings.user,
-                output_limit=spec.output_limit or self.settings.output_limit)
+        vm = VM.for_spec(guest, spec, backend=self.plan.backend, isolation=self.plan.isolation)
         live = LiveGuest(vm, record, guest)
-        branching.attach(self, live, spec, base)  # vm.branch(), once an owner takes it
+        branching.attach(self, live, spec)  # vm.branch(), once an owner takes it
         return live
 
     def _claim(self, live: LiveGuest) -> bool:

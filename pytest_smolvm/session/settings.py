@@ -1,6 +1,8 @@
 """Options, ini keys and the ``smol`` marker: parsed once, validated with one-line errors.
 
-Precedence for every setting: marker > command line > ini > default.
+Precedence for every setting: marker > command line > ini > default. This module validates
+(and puts the command line over ini); ``spec.py`` puts a test's keywords over these and the
+default limits, once per guest, into the spec its backend gets.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from pytest_smolvm import limits
 from pytest_smolvm.errors import MarkerError, UsageError
 from pytest_smolvm.limits import guest_env, guest_timeout
 
@@ -85,7 +86,7 @@ class Settings:
     artifacts: Path | None = None
     logs: str = "failed"
     user: str | None = None
-    output_limit: int = field(default_factory=lambda: limits.LIMITS.output_bytes)
+    output_limit: int | None = None  # None: LIMITS.output_bytes, read as each guest is resolved (spec.py)
     rootdir: Path = field(default_factory=Path.cwd)
     baseline_option: str = "--smol-baseline"  # or the ini key, so errors name what the user wrote
     registry_auth: str | None = None  # --smol-registry-auth; the env var is read where it is used

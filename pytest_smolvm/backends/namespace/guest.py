@@ -108,7 +108,8 @@ class NamespaceGuest:
 
     def _file_op(self, message: dict[str, Any], *, user: str | None, stdin: bytes | IO[bytes] | None = None,
                  stdout_sink: Callable[[bytes], None] | None = None, cancel: Cancel | None = None,
-                 timeout: float = limits.LIMITS.guest_file_op, stdout_fd: int | None = None) -> None:
+                 timeout: float | None = None, stdout_fd: int | None = None) -> None:
+        timeout = timeout if timeout is not None else limits.LIMITS.guest_file_op  # read now, not at import
         user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
