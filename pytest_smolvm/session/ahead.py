@@ -11,7 +11,9 @@ One keyed store (:class:`Ahead`) of guests being made, or made, for a future tak
 - **A queued test's own guest** (``--smol-concurrency``; plugin/premade.py is only the pytest
   glue: which item, its spec, its waiting notes): the concurrent runner orders a test's guest
   for that test (a named taker) before its setup, as many tests ahead of the N slots as
-  :meth:`Pace.beyond` says; the test's ``smol_vm`` factory takes it.
+  :meth:`Pace.beyond` says; the test's ``smol_vm`` factory takes it. Such an order is made by
+  the pool's create, which takes a next-guest order of its key where there is one: the two
+  kinds meet only here, in one store.
 
 An order nobody will take (another key asked for, its taker gone or cancelled, the pool closing:
 :meth:`Ahead.cancel`, :meth:`Ahead.cancel_all`) is discarded: its guest is destroyed now, or
@@ -194,7 +196,9 @@ class Ahead(Generic[T]):
                 stale = [mine] if mine is not None and mine.key != key else []
                 mine = None if stale else mine
             self._orders = [o for o in self._orders if o is not mine and o not in stale]
-        self._dispose(stale, None)
+        # A named taker's (on the concurrent runner's one loop thread) is not waited for: it is
+        # discarded once made. The next guests of another key are, as top_up's are.
+        self._dispose(stale, None if taker is None else 0.0)
         return mine
 
     def cancel(self, taker: Hashable) -> None:
