@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     kwargs = {"branchable": True} if args.backend == "smol" else {}
     with Session(backend=args.backend) as session:
-        session._run.pool._make_ahead = False  # every guest made when asked (benchmark only)
+        session._run.pool.ahead.pace.free = False  # every guest made when asked (benchmark only)
         made = []
 
         def fresh() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.session.background import Ahead, Bounded, Teardown
+from pytest_smolvm.session.ahead import Ahead
+from pytest_smolvm.session.background import Bounded, Teardown
 from pytest_smolvm.session.pool import READY_TEST_ID
 
 CORES = len(os.sched_getaffinity(0))
@@ -152,54 +153,6 @@ def test_fails(smol_vm, i):
     pytester.runpytest_subprocess().assert_outcomes(passed=3, failed=3)
 
 
-class Maker:
-    """Makes numbered items, each held back until released: what an Ahead thread waits on."""
-
-    def __init__(self) -> None:
-        self.numbers = iter(range(1, 100))
-        self.gate = threading.Event()
-        self.discarded: list[int] = []
-
-    def make(self) -> int:
-        self.gate.wait(10)
-        return next(self.numbers)
-
-
-def test_ahead_keeps_depth_items_in_the_making_and_hands_them_out_oldest_first() -> None:
-    maker = Maker()
-    ahead: Ahead[int] = Ahead(maker.discarded.append, depth=2)
-    ahead.start("k", maker.make)
-    maker.gate.set()
-    first, second = ahead.take("k"), ahead.take("k")
-    assert {first, second} == {1, 2} and ahead.take("k") is None  # two ordered, no more
-    ahead.start("k", maker.make)
-    ahead.start("k", maker.make)  # topping up: still two, not four
-    ahead.cancel()
-    assert sorted(maker.discarded) == [3, 4]
-
-
-def test_ahead_discards_what_was_made_for_another_key() -> None:
-    maker = Maker()
-    maker.gate.set()
-    ahead: Ahead[int] = Ahead(maker.discarded.append, depth=2)
-    ahead.start("old", maker.make)
-    assert ahead.take("new") is None
-    assert sorted(maker.discarded) == [1, 2]
-    ahead.start("old", maker.make)
-    ahead.start("new", maker.make)  # a new key cancels the old key's orders first
-    assert sorted(maker.discarded) == [1, 2, 3, 4]
-    assert {ahead.take("new"), ahead.take("new")} == {5, 6}
-
-
-def test_ahead_failures_are_left_to_the_caller() -> None:
-    def broken() -> int:
-        raise RuntimeError("engine down")
-
-    ahead: Ahead[int] = Ahead(lambda item: None, depth=1)
-    ahead.start("k", broken)
-    assert ahead.take("k") is None  # the caller makes its own guest and meets the error then
-
-
 def _wait_until(condition: Callable[[], bool], seconds: float = 10) -> bool:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -254,11 +207,11 @@ def test_close_waits_a_bounded_time_for_a_create_and_a_destroy_that_hang() -> No
     release = threading.Event()
     discarded: list[str] = []
     ahead: Ahead[str] = Ahead(discarded.append)
-    ahead.start("key", lambda: release.wait(30) and "late guest")  # type: ignore[arg-type, return-value]
+    ahead.top_up("key", lambda: release.wait(30) and "late guest", 1)  # type: ignore[arg-type, return-value]
     teardown: Teardown[str] = Teardown(lambda item: None if release.wait(30) else "hung", str)
     teardown.submit("stuck guest")
     began = time.monotonic()
-    ahead.cancel(0.3)
+    ahead.cancel_all(0.3)
     left = teardown.drain(0.3)
     assert time.monotonic() - began < 5
     assert left == ["stuck guest"] and discarded == []
@@ -308,7 +261,7 @@ def test_aio_calls_reuse_kept_threads_and_grow_only_while_all_are_busy() -> None
     import asyncio
 
     from pytest_smolvm.handle.aio import in_thread
-    from pytest_smolvm.host.threads import KeptThreads
+    from pytest_smolvm.host.threads import Workers
 
     async def one_after_another() -> list[threading.Thread]:
         return [await in_thread(threading.current_thread) for _ in range(10)]
@@ -318,7 +271,7 @@ def test_aio_calls_reuse_kept_threads_and_grow_only_while_all_are_busy() -> None
     # next call always finds that thread idle, however loaded the host.
     assert len({id(thread) for thread in ran_on}) == 1
 
-    kept = KeptThreads("test-kept", idle_seconds=0.2)
+    kept = Workers("test-kept", idle_seconds=0.2)
     together = threading.Barrier(5, timeout=10)
     passed: list[bool] = []
     for _ in range(5):  # five calls that each wait for the other four: five threads at once
@@ -356,7 +309,7 @@ def test_a_guest_made_ahead_and_killed_is_not_handed_out_while_it_dies(smol_stat
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             ahead = {r.name: r.data.get("pid") for r in registry.records() if r.test_id == READY_TEST_ID}
-            if len(ahead) == pool._ahead.depth and all(isinstance(pid, int) for pid in ahead.values()):
+            if len(ahead) == pool.ahead.pace.depth and all(isinstance(pid, int) for pid in ahead.values()):
                 break  # made, not just planned: a planned guest's record has no pid yet
             time.sleep(0.02)
         assert ahead, "no guest was made ahead"

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from pytest_smolvm.host.threads import Workers
-from pytest_smolvm.session.background import Ahead
+from pytest_smolvm.session.ahead import Ahead
 
 
 @pytest.fixture
@@ -88,18 +88,19 @@ def test_ahead_take_from_many_threads_at_once_never_fails(switching_often: None)
     """Issue 43: take checked the orders, then popped, without a lock: two threads taking the
     last order both passed the check, and one popped an empty list (IndexError)."""
     made = iter(range(1_000_000))
-    ahead: Ahead[int] = Ahead(lambda item: None, depth=2)
+    ahead: Ahead[int] = Ahead(lambda item: None)
     errors: list[BaseException] = []
     taken: list[int | None] = []
     key = YieldingKey()
     for _ in range(100):
-        ahead.start(key, lambda: next(made))
+        ahead.top_up(key, lambda: next(made), 2)
         together = threading.Barrier(6)
 
         def take(together: threading.Barrier = together) -> None:
             together.wait()
             try:
-                taken.append(ahead.take(key))
+                order = ahead.take(key)
+                taken.append(order.made() if order is not None else None)
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
@@ -111,4 +112,4 @@ def test_ahead_take_from_many_threads_at_once_never_fails(switching_often: None)
         assert errors == []
     got = [item for item in taken if item is not None]
     assert len(got) == len(set(got)) == 200  # every item made was handed out once, none twice
-    ahead.cancel(5)
+    ahead.cancel_all(5)

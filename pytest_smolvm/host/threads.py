@@ -1,7 +1,7 @@
 """The one worker primitive: :class:`Workers`, kept threads for blocking calls (trio's thread
 cache is the model). Every thread the plugin runs work on comes from here: the async handle's
-calls (handle/aio.py), the pool's destroys, made-ahead guests, shielded creates and bounded
-destroy attempts (session/background.py), the premade guests (plugin/premade.py).
+calls (handle/aio.py), the pool's destroys, shielded creates and bounded destroy attempts
+(session/background.py), guests made ahead of their tests (session/ahead.py).
 
 What it guarantees, for every call:
 
@@ -189,6 +189,3 @@ class Workers:
 
 def _drop(_result: object, _error: BaseException | None) -> None:
     """What an abandoned call without a ``late`` made: nothing to clean up."""
-
-
-KeptThreads = Workers  # the name plugin/premade.py knows it by

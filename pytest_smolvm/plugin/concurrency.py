@@ -21,8 +21,9 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
   each of its steps (body_context.py); its outcome, whatever it is (``pytest.skip``, ``xfail``,
   ``fail``, ``exit``, an assertion, a ``BaseException``), is replayed in the call phase
   (async_tests.py), so pytest builds the report as for any test; its duration is the body's.
-- Guests are made before setup on threads of their own (premade.py): creates overlap. While N
-  run, the next guests are made ahead, as many as free up while one is made (slots.py).
+- Guests are made before setup (premade.py, the glue of session/ahead.py's one made-ahead
+  mechanism): creates overlap. While N run, the next tests' guests are made ahead, as many as
+  slots free while one is made (session/ahead.py's Pace).
 - pytest-timeout's timer would time the hand-off, not the test: its ``pytest_timeout_set_timer``
   hook is taken over, and the item's own budget is kept instead, as pytest-timeout means it:
   setup, body and teardown together (the body alone with ``func_only``). A phase on the loop's
@@ -52,7 +53,7 @@ from pytest_smolvm.plugin import eligibility, internals, premade
 from pytest_smolvm.plugin.async_tests import REPLAY_KEY
 from pytest_smolvm.plugin.body_context import run_body
 from pytest_smolvm.plugin.item_state import Detached, attach, detach, group_key
-from pytest_smolvm.plugin.slots import Pace, Slots
+from pytest_smolvm.plugin.slots import Slots
 
 if TYPE_CHECKING:
     import asyncio
@@ -75,7 +76,7 @@ class _Flight:
     task: asyncio.Task[None] | None = None
     detached: Detached | None = None
     interrupted: bool = False
-    premade: premade.Premade | None = None
+    ordered: bool = False  # its guest was ordered ahead (premade.py)
     deadline: float | None = None  # monotonic: the end of the item's pytest-timeout budget
 
 
@@ -94,11 +95,9 @@ class ConcurrentRunner:
         self.final: pytest.Item | None = None  # while draining: the item pytest runs next
         self.setups: dict[tuple[Any, ...], BaselineSetup | None] = {}
         self.failure: BaseException | None = None
-        self.premades: list[premade.Premade] = []
         self._worker: Any = internals.xdist_worker(config)
         self._reraise = (pytest.exit.Exception, *(() if config.getoption("usepdb") else (KeyboardInterrupt,)))
         self._indices: dict[int, int] = {}
-        self.pace = Pace()
         self.slots = Slots()  # held from a test's setup to the end of its teardown
         self._in_phase: _Flight | None = None  # whose phase runs now, on the loop's thread
 
@@ -163,9 +162,7 @@ class ConcurrentRunner:
         return True
 
     def pytest_sessionfinish(self) -> None:
-        for made in self.premades:  # a create still under way must end before the pool closes
-            made.done.wait(ABORT_SECONDS)
-        self.premades.clear()
+        # A guest still being made for a test is the pool's to discard: its close cancels it.
         if self.loop is not None:
             self.loop.close()
             self.loop = None
@@ -205,7 +202,8 @@ class ConcurrentRunner:
             self._drain(item)
         self.key = key
         limit = self.takes(item)
-        self._run_until(lambda: len(self.flights) < limit + self.pace.ahead(limit))
+        beyond = self.run.pool.ahead.pace.beyond if self.run.used else lambda _limit: 0
+        self._run_until(lambda: len(self.flights) < limit + beyond(limit))
         session = item.session
         if session.shouldfail or session.shouldstop:
             self._drain(nextitem)  # a -x failure met while waiting: this one is not started
@@ -275,7 +273,8 @@ class ConcurrentRunner:
                 item.stash[REPLAY_KEY], item.stash[_TIMES_KEY] = body, (started, took)
                 self._phase(flight, "call")
             self._phase(flight, "teardown", nextitem=self._next_after(item))
-            self.pace.held(time.monotonic() - holding)
+            if self.run.used:
+                self.run.pool.ahead.pace.held(time.monotonic() - holding)
             finished = True
         except BaseException as exc:
             if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not flight.interrupted:
@@ -286,8 +285,8 @@ class ConcurrentRunner:
                 self._teardown_quietly(flight)
             self.slots.free(flight)
             self.flights.pop(item, None)
-            if flight.premade is not None:
-                flight.premade.abandon()  # a guest nobody took (the test did not use smol_vm)
+            if flight.ordered:
+                premade.cancel(item, self.run)  # a guest nobody took (the test did not use smol_vm)
             if REPLAY_KEY in item.stash:
                 del item.stash[REPLAY_KEY]
             internals.end_protocol(item)
@@ -322,12 +321,9 @@ class ConcurrentRunner:
                 pass  # the loop has closed: nobody waits any more
 
         assert self.key is not None
-        asked = time.monotonic()
-        flight.premade = premade.start(item, self.run, self.setups[self.key], wake)
-        if flight.premade is None:
+        flight.ordered = premade.start(item, self.run, self.setups[self.key], wake)
+        if not flight.ordered:
             return
-        self.premades = [p for p in self.premades if not p.done.is_set()]
-        self.premades.append(flight.premade)
         if flight.timeout is not None and not flight.timeout.func_only:
             import asyncio
 
@@ -335,8 +331,6 @@ class ConcurrentRunner:
             await asyncio.wait({ready}, timeout=flight.timeout.timeout)
         else:
             await ready
-        if ready.done():
-            self.pace.made(time.monotonic() - asked)
 
     def _phase(self, flight: _Flight, when: Literal["setup", "call", "teardown"], **kwds: Any) -> pytest.TestReport:
         """One phase of ``flight``'s item, as pytest's runner makes it, in the item's own contexts."""

@@ -303,7 +303,7 @@ def smol_vm_factory(request: pytest.FixtureRequest,
 
     def make(**keywords: Any) -> VM:
         try:
-            live: LiveGuest | None = premade.take(item, keywords, setup)  # made before setup, concurrently
+            live: LiveGuest | None = premade.take(item, keywords, setup, run)  # made before setup, concurrently
             if live is None:
                 spec = premade.guest_spec(item, base_spec, keywords)
                 if run.plan is None:  # this process's first guest: the run's one decision happens now

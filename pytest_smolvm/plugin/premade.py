@@ -1,18 +1,17 @@
-"""A test's guest made before its setup phase, so that concurrent tests' creates overlap.
+"""The pytest glue of a test's guest made before its setup (``--smol-concurrency``).
 
 Under ``--smol-concurrency`` every test's setup runs on the worker's one event-loop thread,
 one setup at a time (pytest's fixture machinery holds one item's state at a time). Making the
 guest is the slow part of a guest test's setup, so the concurrent runner (concurrency.py)
-starts it earlier, on a thread of its own, while other tests run: :func:`start` computes the
-spec exactly as ``smol_vm_factory`` does (the ``smol`` marker, then the
-``pytest_smolvm_configure_vm`` hook, called once), and the factory's first plain call takes
-the guest with :func:`take` instead of making one. A guest nobody took is released when its
-test ends; one still being made when its test is cancelled is released the moment it exists.
+orders it earlier. The making, the waiting, how many and the discarding of what nobody takes
+are session/ahead.py's (the one made-ahead mechanism, the pool's next guests included); here
+is only what pytest knows: which item, its spec computed exactly as ``smol_vm_factory`` does
+(the ``smol`` marker, then the ``pytest_smolvm_configure_vm`` hook, called once), and its
+waiting notes. The factory's first plain call takes the guest with :func:`take`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +20,7 @@ import pytest
 from pytest_smolvm.session.settings import MarkerSpec, marker_spec
 
 if TYPE_CHECKING:
-    from pytest_smolvm.host.threads import KeptThreads
-    from pytest_smolvm.session.pool import GuestPool, LiveGuest
+    from pytest_smolvm.session.pool import LiveGuest
     from pytest_smolvm.session.run import SmolRun
     from pytest_smolvm.session.warm import BaselineSetup
 
@@ -47,90 +45,39 @@ def guest_spec(item: pytest.Item, base: MarkerSpec, keywords: Mapping[str, Any])
     return MarkerSpec().merged(proposed, "pytest_smolvm_configure_vm")
 
 
-def _identity(setup: BaselineSetup | None) -> str | None:
-    return setup.identity if setup is not None else None
-
-
-class Premade:
-    """One guest being made (or made) for one test, on a thread of its own."""
-
-    def __init__(self, pool: GuestPool, setup: BaselineSetup | None) -> None:
-        self.pool = pool
-        self.setup_identity = _identity(setup)
-        self.done = threading.Event()
-        self._lock = threading.Lock()
-        self._live: LiveGuest | None = None
-        self._error: BaseException | None = None
-        self._abandoned = False
-
-    def finish(self, live: LiveGuest | None, error: BaseException | None) -> None:
-        with self._lock:
-            orphan = live if self._abandoned else None
-            if orphan is None:
-                self._live, self._error = live, error
-        if orphan is not None:
-            self.pool.release(orphan)  # its test was cancelled while it was being made
-        self.done.set()
-
-    def take(self) -> LiveGuest:
-        """The guest, or the exception its creation raised (the test's setup reports it)."""
-        self.done.wait()
-        with self._lock:
-            live, error, self._live, self._error = self._live, self._error, None, None
-        if error is not None:
-            raise error
-        assert live is not None
-        return live
-
-    def abandon(self) -> None:
-        """Nobody will take the guest: release it now, or the moment it exists."""
-        with self._lock:
-            self._abandoned = True
-            live, self._live = self._live, None
-        if live is not None:
-            self.pool.release(live)
-
-
-PREMADE_KEY = pytest.StashKey[Premade]()
-_threads: list[KeptThreads] = []  # made with the first premade guest: nothing at plugin load
+TAKER_KEY = pytest.StashKey[object]()  # the token the item's ordered guest is kept under
 SETUP_KEY = pytest.StashKey["BaselineSetup | None"]()  # the warm setup the test's factory used
 
 
-def start(item: pytest.Item, run: SmolRun, setup: BaselineSetup | None,
-          on_done: Callable[[], None]) -> Premade | None:
-    """Start making ``item``'s ``smol_vm`` guest; None where the fixture should do it itself."""
+def start(item: pytest.Item, run: SmolRun, setup: BaselineSetup | None, ready: Callable[[], None]) -> bool:
+    """Order ``item``'s ``smol_vm`` guest from the pool (session/ahead.py makes it); False where
+    the fixture should make it itself. ``ready()`` runs, on the making thread, once it is made."""
     try:
         spec = guest_spec(item, marker_spec(item), {})
     except Exception:
-        return None  # a bad marker or hook: the fixture meets it again and reports it in setup
-    pool = run.pool
-    premade = Premade(pool, setup)
-
-    def make() -> None:
-        try:
-            live = pool.create(item.nodeid, spec, setup, ahead=False, waiting=waiting_note(item))
-        except BaseException as exc:  # handed to the test's setup, which reports it as its own
-            premade.finish(None, exc)
-        else:
-            premade.finish(live, None)
-        on_done()
-
-    item.stash[PREMADE_KEY] = premade
-    if not _threads:
-        from pytest_smolvm.host.threads import KeptThreads
-
-        _threads.append(KeptThreads("smolvm-premade"))  # a guest's create: a kept thread when one is idle
-    _threads[0].submit(make)
-    return premade
+        return False  # a bad marker or hook: the fixture meets it again and reports it in setup
+    taker = item.stash[TAKER_KEY] = object()  # this item's, however often its node id runs
+    run.pool.order(taker, item.nodeid, spec, setup, waiting=waiting_note(item), ready=ready)
+    return True
 
 
-def take(item: pytest.Item, keywords: Mapping[str, Any], setup: BaselineSetup | None) -> LiveGuest | None:
-    """The guest made ahead for this plain ``smol_vm_factory()`` call, if one was."""
-    premade = item.stash.get(PREMADE_KEY, None)
-    if premade is None:
+def take(item: pytest.Item, keywords: Mapping[str, Any], setup: BaselineSetup | None,
+         run: SmolRun) -> LiveGuest | None:
+    """The guest ordered for this plain ``smol_vm_factory()`` call, if one was (what its create
+    raised is raised here); one made for another spec or setup is discarded."""
+    taker = item.stash.get(TAKER_KEY, None)
+    if taker is None:
         return None
-    del item.stash[PREMADE_KEY]
-    if keywords or premade.setup_identity != _identity(setup):
-        premade.abandon()  # made for another spec: not what this call asked for
+    del item.stash[TAKER_KEY]
+    if keywords:
+        run.pool.ahead.cancel(taker)  # made for another spec: not what this call asked for
         return None
-    return premade.take()
+    return run.pool.take_ordered(taker, setup)
+
+
+def cancel(item: pytest.Item, run: SmolRun) -> None:
+    """The item ends: a guest ordered for it that it never took is discarded."""
+    taker = item.stash.get(TAKER_KEY, None)
+    if taker is not None:
+        del item.stash[TAKER_KEY]
+        run.pool.ahead.cancel(taker)

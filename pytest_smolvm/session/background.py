@@ -1,19 +1,19 @@
-"""The GuestPool's work off the test's path: destroys handed off, guests made ahead, creates
-shielded from interrupts, destroy attempts within a bound. All of it runs on host/threads.py's
+"""The GuestPool's work off the test's path: destroys handed off, creates shielded from
+interrupts, destroy attempts within a bound. (Guests made ahead of their tests are
+session/ahead.py's, the one place that lives.) All of it runs on host/threads.py's
 :class:`~pytest_smolvm.host.threads.Workers` (the one worker primitive: its guarantees are
 written there); this module only says what each piece of work is.
 
-Destroys and made-ahead guests exist for speed (docs/performance.md): a test's teardown need
-not wait for its guest to die, and where a core is idle the next test's guest can be made while
-this test runs. All are threads of the pytest process that owns the guests, so none can outlive
-it: the pool drains them before it closes, and a crash leaves only what the reaper handles.
+Handed-off destroys exist for speed (docs/performance.md): a test's teardown need not wait for
+its guest to die. All are threads of the pytest process that owns the guests, so none can
+outlive it: the pool drains them before it closes, and a crash leaves only what the reaper handles.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from pytest_smolvm.host.threads import Job, Workers
@@ -74,71 +74,6 @@ class Teardown(Generic[T]):
         with self._lock:
             taken, self.failures = self.failures, []
         return taken
-
-
-class Ahead(Generic[T]):
-    """Up to ``depth`` items made ahead at once in background threads, all for one key.
-
-    ``take(key)`` returns the oldest item if it was made for ``key`` (waiting for it to finish),
-    else None; items for another key, or one that failed, go to ``discard``. ``make``
-    failures are not reported here: the caller makes the item itself, and meets them then.
-    Safe from many threads at once: the orders change only under a lock, and no wait is made
-    holding it (a close() that cancels never waits behind a take's create).
-    """
-
-    def __init__(self, discard: Callable[[T], None], depth: int = 1) -> None:
-        self._discard = discard
-        self.depth = depth
-        self._key: Hashable | None = None
-        self._orders: list[Job[T]] = []  # oldest first
-        self._lock = threading.Lock()
-        self._workers = Workers("smolvm-ahead")
-
-    def start(self, key: Hashable, make: Callable[[], T]) -> None:
-        """Order items for ``key`` until ``depth`` are made or in the making; another key's
-        orders are discarded first."""
-        with self._lock:
-            stale: list[Job[T]] = []
-            if key != self._key:
-                stale, self._orders, self._key = self._orders, [], key
-        self._dispose(stale, None)
-        with self._lock:
-            while self._key == key and len(self._orders) < self.depth:
-                self._orders.append(self._workers.start(make))
-
-    def take(self, key: Hashable) -> T | None:
-        with self._lock:
-            if not self._orders:
-                return None
-            if key != self._key:
-                stale, self._orders, order = self._orders, [], None
-            else:
-                stale, order = [], self._orders.pop(0)
-        if order is None:
-            self._dispose(stale, None)
-            return None
-        order.wait()
-        return order.result if order.error is None else None
-
-    def cancel(self, timeout: float | None = None) -> None:
-        """Wait for the items ordered, if any, and discard them; past ``timeout`` seconds (all
-        of them together) an item still in the making is discarded by its thread once made."""
-        with self._lock:
-            orders, self._orders = self._orders, []
-        self._dispose(orders, timeout)
-
-    def _dispose(self, orders: list[Job[T]], timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for order in orders:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not order.wait(left) and order.abandon(self._discard_late):
-                continue  # still in the making: its thread discards it once made
-            if order.error is None and order.result is not None:
-                self._discard(order.result)
-
-    def _discard_late(self, made: T | None, _error: BaseException | None) -> None:
-        if made is not None:
-            self._discard(made)
 
 
 class Bounded:

@@ -6,10 +6,9 @@ a guest starts; provisioning is retried (only provisioning: the test body has no
 interrupted halfway by Ctrl-C and never raises into a test's outcome; whatever is still alive
 when the process ends is destroyed by :meth:`GuestPool.close`.
 
-For speed (background.py): a test's guests are destroyed off its path (:meth:`GuestPool.release`),
-and where the backend's guests cost nothing idle and every worker has a core, the
-next guest is made ahead while the test runs (``ready``). A guest made ahead was never used: it
-is what a new one would be, for the same baseline and spec, made a few milliseconds earlier.
+For speed: a test's guests are destroyed off its path (:meth:`GuestPool.release`, background.py),
+and made ahead of the tests that take them (:attr:`GuestPool.ahead`: session/ahead.py, the one
+place that lives).
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import registry
 from pytest_smolvm.host.signals import signals_deferred
 from pytest_smolvm.session import admission, branching
-from pytest_smolvm.session.background import Ahead, Shielded, Teardown, attempts_within
+from pytest_smolvm.session.ahead import Ahead
+from pytest_smolvm.session.background import Shielded, Teardown, attempts_within
 from pytest_smolvm.session.live import LiveGuest as LiveGuest  # where plugin/ and evals/ import it from
 from pytest_smolvm.session.live import note_egress, still_running
 from pytest_smolvm.session.plan import Planner, PlanSource, RunPlan, resolve_baseline
@@ -43,7 +43,6 @@ DESTROY_ATTEMPTS = 2
 PROVISION_ATTEMPTS = 3
 PROVISION_BACKOFF = 0.2  # seconds, doubled after each retryable failure
 READY_TEST_ID = "(made ahead for the next test)"
-AHEAD_DEPTH = 2  # guests made ahead at once where there are this many cores per worker
 
 
 class GuestPool:
@@ -63,9 +62,8 @@ class GuestPool:
         self.live: dict[str, LiveGuest] = {}
         self.destroy_timeout = limits.LIMITS.destroy_all_attempts
         self._teardown: Teardown[LiveGuest] = Teardown(self._destroy_now, lambda live: live.vm.name)
-        self._ahead: Ahead[LiveGuest] = Ahead(self.release)
+        self.ahead: Ahead[LiveGuest] = Ahead(self.release)  # its pace: decided on the first guest, then measured
         self._creates = Shielded("smolvm-create")  # the main thread's creates: see _create_once
-        self._make_ahead: bool | None = None  # decided on the first guest
         self._life = threading.Condition()  # closed and creating: see create() and close()
         self._closed = False
         self._creating = 0  # create() calls in flight
@@ -105,8 +103,6 @@ class GuestPool:
 
     def new_name(self) -> str:
         return f"smol-{self.run_id[:8]}-{self.worker}-{next(self._counter)}"
-
-    # ------------------------------------------------------------------ warm baselines
 
     def warm_baseline(self, base: Baseline, setup: BaselineSetup) -> Baseline:
         """``base`` after ``setup``, prepared once per host (a failure is remembered, not retried)."""
@@ -167,7 +163,7 @@ class GuestPool:
         if not self.makes_ahead:
             return self._create_now(test_id, spec, base, started, waiting)
         key = (base.digest, repr(spec))
-        live = self._ahead.take(key)
+        live = order.made() if (order := self.ahead.take(key)) is not None else None
         if live is not None and not still_running(live.guest):
             self.release(live)  # it died while it waited (its init killed, OOM): destroyed, not handed out
             live = None
@@ -183,22 +179,26 @@ class GuestPool:
         if ahead:
             with self._life:  # never after close() cancelled what was made ahead
                 if not self._closed:
-                    self._ahead.start(key, lambda: self._create_once(READY_TEST_ID, spec, base))
+                    self.ahead.top_up(key, lambda: self._create_once(READY_TEST_ID, spec, base))
         return live
 
     @property
     def makes_ahead(self) -> bool:
-        """Make the next guests during this test? Only where it costs the run nothing: the
-        backend's idle guests are free (``idle_guests_are_free``: a namespace guest's are, a smol
-        machine is billed), no ``--smol-max-vms`` cap counts them, and every xdist worker has a
-        core of its own beside one more (else they only compete with the tests); two at once
-        with two cores per worker (the measurements: docs/performance.md)."""
-        if self._make_ahead is None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            self._make_ahead = (getattr(backend_class(self.plan.backend), "idle_guests_are_free", False)
-                                and not self.settings.max_vms and cores >= max(2, self.workers))
-            self._ahead.depth = AHEAD_DEPTH if cores >= AHEAD_DEPTH * self.workers else 1
-        return self._make_ahead
+        """Make the next guests during this test? session/ahead.py's :class:`Pace` decides, once."""
+        pace = self.ahead.pace
+        if pace.free is None:
+            pace.decide(backend_class(self.plan.backend), capped=bool(self.settings.max_vms), workers=self.workers)
+        return bool(pace.free)
+
+    def order(self, taker: object, test_id: str, spec: MarkerSpec, setup: BaselineSetup | None, *,
+              waiting: Callable[[str], None] | None = None, ready: Callable[[], None] | None = None) -> None:
+        """Make ``taker``'s guest now: :meth:`take_ordered` hands it over, ``ahead.cancel`` discards it."""
+        self.ahead.order(setup.identity if setup else None, lambda: self.create(
+            test_id, spec, setup, ahead=False, waiting=waiting), taker, ready)
+
+    def take_ordered(self, taker: object, setup: BaselineSetup | None) -> LiveGuest | None:
+        order = self.ahead.take(setup.identity if setup else None, taker)  # another setup's: discarded
+        return order.outcome() if order is not None else None
 
     def _admission(self) -> tuple[admission.Gate, admission.Gate]:
         """The host-wide gates: guests alive (``--smol-max-vms`` is that bound where given) and
@@ -373,7 +373,7 @@ class GuestPool:
                 if self._creating:
                     problems.append(f"{self._creating} create(s) still under way after {wait:g}s: each destroys "
                                     "its guest when it ends (or its record stays for the reaper)")
-            self._ahead.cancel(left())
+            self.ahead.cancel_all(left())  # every guest made ahead, for a test or for the next
             if not self._creates.wait(left()):
                 problems.append(f"an interrupted create did not end within {wait:g}s: its record stays for the reaper")
             for live in list(self.live.values()):
