@@ -60,6 +60,8 @@ def unavailable(userns: bool, images: Path) -> str | None:
     """Why this host cannot give a guest an ext4 disk (None: it can). Read once per process."""
     if userns:
         return "user-namespace mode cannot mount a block device"
+    if _kernel_version() < (5, 8):  # LOOP_CONFIGURE: attached with AUTOCLEAR set, no window without
+        return f"kernel {os.uname().release} is older than 5.8 (no LOOP_CONFIGURE)"
     if not os.path.exists("/dev/loop-control"):
         return "no /dev/loop-control (no loop devices here)"
     if _mkfs() is None:
@@ -118,6 +120,14 @@ def _link_unnamed(fd: int, path: Path) -> None:
         err = ctypes.get_errno()
         if err != errno.EEXIST:  # EEXIST: another process made the same one meanwhile (identical)
             raise ProvisionError(f"namespace guest disk: cannot save its template as {path}: {os.strerror(err)}")
+
+
+def _kernel_version() -> tuple[int, int]:
+    try:
+        major, minor = os.uname().release.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
 
 
 def _mkfs() -> str | None:
