@@ -49,14 +49,32 @@ def overlay_mounts() -> list[str]:
         return [line for line in f if "smolvm" in line]
 
 
+def loop_devices(state_dir: Path) -> list[str]:
+    """Loop devices backed by a guest's disk image (made unnamed under ``state_dir``/disks:
+    backends/namespace/disk.py); sysfs names the backing file, with " (deleted)" for ours."""
+    images = f"{state_dir / 'disks'}/"
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            text = backing.read_text().strip()
+        except OSError:
+            continue  # detached meanwhile
+        if text.startswith(images):
+            found.append(f"{backing.parent.parent.name}: {text}")
+    return found
+
+
 def leftovers(state_dir: Path) -> dict[str, list[str]]:
     registry = state_dir / "registry"
     scratch = state_dir / "scratch"
     layers = state_dir / "layers"  # branches' copies of their parents' files (vm.branch)
+    disks = state_dir / "disks"  # guests' disk images: unnamed while in use, so never a file here
     found = {
         "registry records": sorted(p.name for p in registry.glob("*")) if registry.is_dir() else [],
         "scratch dirs": sorted(p.name for p in scratch.iterdir()) if scratch.is_dir() else [],
         "branch layers": sorted(p.name for p in layers.iterdir()) if layers.is_dir() else [],
+        "disk images": sorted(p.name for p in disks.iterdir()) if disks.is_dir() else [],
+        "loop devices": loop_devices(state_dir),
         "processes": guest_processes(state_dir),
         "cgroups": guest_cgroups(state_dir),
         "mounts": overlay_mounts(),

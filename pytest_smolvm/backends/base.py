@@ -48,6 +48,7 @@ class VMSpec:
     baseline: Baseline
     cpus: float | None = None
     memory_mb: int | None = None
+    memory_default: bool = False  # memory_mb is the run's default, not the test's (namespace: the disk follows)
     disk_mb: int = field(default_factory=lambda: limits.LIMITS.disk_mb)
     network: bool = False
     allow_hosts: tuple[str, ...] = ()

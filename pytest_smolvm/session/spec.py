@@ -29,7 +29,7 @@ def resolve(settings: Settings, marker: MarkerSpec, *, name: str, baseline: Base
         name=name, baseline=baseline,
         cpus=marker.cpus if marker.cpus is not None else (None if relaxed else defaults.cpus),
         memory_mb=marker.memory_mb if marker.memory_mb is not None else (None if relaxed else defaults.memory_mb),
-        disk_mb=defaults.disk_mb,
+        memory_default=marker.memory_mb is None, disk_mb=defaults.disk_mb,
         network=marker.network, allow_hosts=tuple(marker.allow_hosts), env=dict(marker.env),
         labels=dict(labels), relax=tuple(marker.relax), branchable=marker.branchable,
         user=marker.user if marker.user is not None else settings.user,

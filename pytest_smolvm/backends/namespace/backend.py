@@ -2,7 +2,8 @@
 
 Each guest is a pid-1 init (see ``helper/``) in fresh mount/pid/net/uts/ipc namespaces
 (plus a user namespace when not root) whose root is an overlay of the baseline rootfs and a
-per-guest tmpfs upper layer. It shares the host kernel: weaker isolation than a microVM.
+per-guest upper layer on its own disk (an ext4 image or a tmpfs: ``disk.py``). It shares the
+host kernel: weaker isolation than a microVM.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pytest_smolvm.backends.base import (
 )
 from pytest_smolvm.backends.namespace import branch as _nsbranch
 from pytest_smolvm.backends.namespace import cgroups, seccomp
+from pytest_smolvm.backends.namespace import disk as _nsdisk
 from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest, destroy_recorded
@@ -41,7 +43,7 @@ class NamespaceBackend:
     isolation: ClassVar[str] = "namespace"
     idle_guests_are_free: ClassVar[bool] = True  # an idle init: ~2.5 MB, no CPU
     # What one guest costs this host for admission control (session/admission.py): its init and
-    # helper, and the files it writes (its tmpfs disk is host memory). A guest may use up to its
+    # helper, and the files it writes (a tmpfs disk is host memory, an ext4 one page cache). A guest may use up to its
     # memory limit, but few do: the bound is on what the host can hold, not on the worst case.
     guest_host_mb: ClassVar[int] = 64
 
@@ -66,7 +68,10 @@ class NamespaceBackend:
     def describe_host(cls) -> list[str]:
         """Header lines: what this host lets a namespace guest have."""
         mode = "as root (capabilities bounded)" if os.geteuid() == 0 else "in a user namespace (unprivileged)"
-        return [f"limits: {cgroups.detect().summary}", f"guests run {mode}"]
+        disk = _nsdisk.unavailable(os.geteuid() != 0, _nsdisk.images_dir())
+        disks = ("an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), "
+                 "else a tmpfs" if disk is None else f"a tmpfs each, charged to memory_mb as well ({disk})")
+        return [f"limits: {cgroups.detect().summary}", f"guests run {mode}", f"disks: {disks}"]
 
     @classmethod
     def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
@@ -107,6 +112,12 @@ class NamespaceBackend:
         state = runtime_dir()
         return state, cgroups.state_tag(state)
 
+    @functools.cached_property
+    def _disks(self) -> tuple[Path, str | None]:
+        """Where guests' disk images go, and why this host cannot make them (None: it can); read once."""
+        images = _nsdisk.images_dir()
+        return images, _nsdisk.unavailable(self.userns, images)
+
     def create(self, spec: VMSpec, *, layers: Sequence[Path] = ()) -> NamespaceGuest:
         """A guest of ``spec``; ``layers`` (a branch's copy of its parent's upper) go above the baseline."""
         allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
@@ -119,15 +130,20 @@ class NamespaceBackend:
         scratch.mkdir(parents=True, exist_ok=False)
         relax = set(spec.relax)
         bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
+        images, why_not = self._disks
+        disk = _nsdisk.kind(spec.memory_mb is not None and not spec.memory_default, why_not)
         cgroup_dirs: list[str] = []
         try:
+            disk_request = _nsdisk.request(spec.disk_mb, images) if disk == "ext4" else None
+            # A tmpfs disk's files are charged to the cgroup, an ext4 disk's page cache is reclaimable
             cgroup_dirs = cgroups.create(self.limits, f"{tag}-{spec.name}",
                                          cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax,
-                                         disk_mb=spec.disk_mb)
+                                         disk_mb=spec.disk_mb if disk == "tmpfs" else 0)
             reply, fds = self._helper().request({
                 "op": "create", "name": spec.name, "hostname": spec.name[:64], "scratch": str(scratch),
                 "state": str(state), "lower": [*map(str, layers), str(rootfs.path)], "disk_mb": spec.disk_mb,
-                "network": spec.network, "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
+                "disk": disk_request, "network": spec.network,
+                "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
                 "userns": self.userns, "seccomp": bpf,
                 "rlimits": self._rlimits(spec, relax),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
@@ -141,6 +157,7 @@ class NamespaceBackend:
         ctl = socket.socket(fileno=fds[0])
         guest = NamespaceGuest(spec.name, ctl, int(reply["pid"]), scratch, cgroup_dirs, rootfs, spec.env,
                                cpus=cgroups.cpus_allowed(self.limits, spec.cpus, defaults="limits" not in relax))
+        guest.disk = disk
         if networked:
             try:
                 guest.namespaces = _nsnet.receive_namespaces(ctl, spec.name)

@@ -71,6 +71,7 @@ class NamespaceGuest:
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
         self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
         self.upper_fd = -1  # its upper layer, a dir fd its setup sent (for vm.branch: branch.py)
+        self.disk = "tmpfs"  # what its upper layer lives on: "ext4" (an image of its own) or "tmpfs" (disk.py)
         self.layers: list[Path] = []  # a branch's copies of its ancestors' files, above the baseline
         self.note = ""  # a line for its logs (a branch says what it did not carry)
 
@@ -328,7 +329,7 @@ def destroy_recorded(data: Mapping[str, Any]) -> None:
     if scratch:
         remove_door(scratch)
         try:
-            os.rmdir(scratch)  # only an empty mount point: the guest's files lived in its tmpfs
+            os.rmdir(scratch)  # only an empty mount point: the guest's files lived on its disk, in its mount ns
         except FileNotFoundError:
             pass
         layer = Path(scratch).parent.parent / "layers" / Path(scratch).name  # a branch's copy of its parent

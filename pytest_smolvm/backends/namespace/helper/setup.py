@@ -17,6 +17,7 @@ import struct
 import traceback
 from typing import Any
 
+from pytest_smolvm.backends.namespace.helper.disk import mount_disk
 from pytest_smolvm.backends.namespace.helper.init import Init
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWCGROUP,
@@ -55,10 +56,14 @@ IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40  # linux/if.h
 
 
 def _mount_root(req: dict[str, Any]) -> str:
-    """Scratch tmpfs, overlay root and a minimal /dev, all in the guest's private mount ns."""
+    """Scratch disk (an ext4 image or a tmpfs: backends/namespace/disk.py), overlay root and a
+    minimal /dev, all in the guest's private mount ns."""
     scratch = req["scratch"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
+    if req.get("disk"):
+        mount_disk(req["disk"], scratch)
+    else:
+        _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
     upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
     for d in (upper, work, root):
         os.mkdir(d)
