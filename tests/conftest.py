@@ -4,13 +4,18 @@ import os
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_smolvm.baselines.cache import force_rmtree
 from tests.leaks import assert_host_clean
+
+if TYPE_CHECKING:
+    from tests.smolcloud.harness import LoopbackCloud
 
 pytest_plugins = ["pytester", "tests.registry_fixtures"]
 TEST_TIMEOUT = 300  # seconds: a hung scenario fails instead of stalling CI
@@ -72,3 +77,27 @@ def _children_without_hypothesis(request: pytest.FixtureRequest) -> None:
     # here is about hypothesis (the fuzz tests use it in this process).
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester").plugins.append("no:hypothesispytest")
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
+    """The loopback smol cloud (tests/smolcloud/), one per test module; it must end with nothing
+    of its machines left."""
+    pytest.importorskip("smol")
+    from tests.leaks import leftovers
+    from tests.smolcloud.harness import LoopbackCloud
+
+    server = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
+    yield server
+    status, err = server.stop()
+    assert status == 0, err
+    assert server.state_dir is not None and leftovers(server.state_dir) == {}
+
+
+@pytest.fixture
+def token(cloud: LoopbackCloud, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Points this test's runs at the loopback cloud with a token of its own."""
+    mine = f"tok-{uuid.uuid4().hex[:12]}"
+    for key, value in cloud.env(mine).items():
+        monkeypatch.setenv(key, value)
+    return mine

@@ -8,9 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,22 +16,6 @@ from tests.smolcloud.harness import LoopbackCloud
 
 pytest.importorskip("smol")
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
-
-
-@pytest.fixture(scope="module")
-def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
-    server = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
-    yield server
-    status, err = server.stop()
-    assert status == 0, err
-
-
-@pytest.fixture
-def token(cloud: LoopbackCloud, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    mine = f"tok-{uuid.uuid4().hex[:12]}"
-    for key, value in cloud.env(mine).items():
-        monkeypatch.setenv(key, value)
-    return mine
 
 
 def test_branch_batch_and_reward_on_smol_cloud(pytester: pytest.Pytester, cloud: LoopbackCloud, token: str) -> None:

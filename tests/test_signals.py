@@ -13,8 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,23 +70,6 @@ def destroy(self):
 
 SmolGuest.destroy = destroy
 """
-
-
-@pytest.fixture(scope="module")
-def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
-    pytest.importorskip("smol")
-    server = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
-    yield server
-    status, err = server.stop()
-    assert status == 0, err
-
-
-@pytest.fixture
-def token(cloud: LoopbackCloud, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    mine = f"tok-{uuid.uuid4().hex[:12]}"
-    for key, value in cloud.env(mine).items():
-        monkeypatch.setenv(key, value)
-    return mine
 
 
 def _children(cloud: LoopbackCloud, token: str) -> list[dict[str, object]]:

@@ -13,8 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,23 +24,6 @@ from tests.smolcloud.harness import ROOT, LoopbackCloud
 pytest.importorskip("smol")
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
 EXAMPLES = ROOT / "examples"
-
-
-@pytest.fixture(scope="module")
-def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
-    server = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
-    yield server
-    status, err = server.stop()
-    assert status == 0, err
-
-
-@pytest.fixture
-def token(cloud: LoopbackCloud, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Points this test's runs at the loopback cloud with a token of its own."""
-    mine = f"tok-{uuid.uuid4().hex[:12]}"
-    for key, value in cloud.env(mine).items():
-        monkeypatch.setenv(key, value)
-    yield mine
 
 
 def machines(cloud: LoopbackCloud, token: str) -> list[dict[str, object]]:

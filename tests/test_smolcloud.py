@@ -11,7 +11,6 @@ import json
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,6 @@ def _open_network_tools() -> None:
     open: pasta's NAT there. Without it every machine fails to boot and the SDK waits 120 s."""
     for tool in ("pasta", "nft", "ip"):
         tools.require(tool, "the loopback cloud's machines, whose network is open by default")
-
-@pytest.fixture(scope="module")
-def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackCloud]:
-    server = LoopbackCloud(state_dir=tmp_path_factory.mktemp("smolcloud-state"))
-    yield server
-    status, err = server.stop()
-    assert status == 0, err
-    assert server.state_dir is not None and leftovers(server.state_dir) == {}
 
 
 def conn(cloud: LoopbackCloud, token: str = "tok", retries: int | None = None) -> ConnectOptions:

@@ -30,17 +30,21 @@ MIB = 1 << 20
 
 def _disk_guest(make_vm: Callable[..., VM], ns_backend: NamespaceBackend, **spec: object) -> tuple[VM, NamespaceGuest]:
     """A guest of ``spec`` (which asks for its memory): it must have an ext4 disk where this host can give one."""
+    _require_ext4_disks(ns_backend)
+    vm = make_vm(**spec)
+    guest = vm._guest
+    assert isinstance(guest, NamespaceGuest)
+    assert guest.disk == "ext4", "a guest that asked for its memory got a tmpfs disk on a host that can do better"
+    return vm, guest
+
+
+def _require_ext4_disks(ns_backend: NamespaceBackend) -> None:
     if "memory" not in ns_backend.limits.parents:
         pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
     tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
     why = disk.unavailable(ns_backend.userns, disk.images_dir())
     if why:
         pytest.skip(f"no ext4 guest disks on this host: {why}")
-    vm = make_vm(**spec)
-    guest = vm._guest
-    assert isinstance(guest, NamespaceGuest)
-    assert guest.disk == "ext4", "a guest that asked for its memory got a tmpfs disk on a host that can do better"
-    return vm, guest
 
 
 def _memory_limit(guest: NamespaceGuest) -> int:
@@ -155,12 +159,7 @@ def test_a_resolved_spec_picks_the_disk_by_whether_the_test_named_its_memory(ns_
     the tmpfs (the +3 ms disk is not paid by every guest)."""
     from pytest_smolvm import Session
 
-    if "memory" not in ns_backend.limits.parents:
-        pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
-    tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
-    why = disk.unavailable(ns_backend.userns, disk.images_dir())
-    if why:
-        pytest.skip(f"no ext4 guest disks on this host: {why}")
+    _require_ext4_disks(ns_backend)
     with Session(backend="namespace") as session:
         named, default = session.create(memory_mb=64), session.create()
         assert [getattr(vm._guest, "disk", None) for vm in (named, default)] == ["ext4", "tmpfs"]
