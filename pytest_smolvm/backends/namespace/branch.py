@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pytest_smolvm import limits
+from pytest_smolvm.backends.namespace.channel import receive_fds
 from pytest_smolvm.errors import GuestError, ProvisionError
 from pytest_smolvm.host.procs import process_start_time
 from pytest_smolvm.untrusted.walk import rmtree
@@ -55,13 +55,7 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def receive_upper(ctl: socket.socket, name: str) -> int:
     """The upper-layer dir fd the guest's setup sent on its control socket."""
-    ctl.settimeout(limits.LIMITS.network_ready)
-    try:
-        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 1)
-    except OSError as exc:
-        raise ProvisionError(f"namespace guest {name}: its upper layer never came: {exc}") from None
-    finally:
-        ctl.settimeout(None)
+    data, fds = receive_fds(ctl, 1, f"namespace guest {name}: its upper layer never came")
     try:
         if len(fds) != 1 or json.loads(data) != {"upper": True}:
             raise ValueError(data)

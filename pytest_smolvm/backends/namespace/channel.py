@@ -25,7 +25,7 @@ from typing import IO, Any
 from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
-from pytest_smolvm.errors import GuestError, GuestUserError
+from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError
 
 # Beyond this a request goes as a memfd: a SOCK_SEQPACKET message must fit the socket's
 # send buffer (~208 KiB by default), and a bigger one fails with EMSGSIZE.
@@ -332,3 +332,16 @@ class _Call:
             if fd >= 0:
                 os.close(fd)
         self.status.close()
+
+
+def receive_fds(ctl: socket.socket, most: int, failure: str) -> tuple[bytes, list[int]]:
+    """A message and at most ``most`` fds the guest's setup sends on its control socket, within
+    ``LIMITS.network_ready``; else ProvisionError("``failure``: why")."""
+    ctl.settimeout(limits.LIMITS.network_ready)
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, most)
+    except OSError as exc:
+        raise ProvisionError(f"{failure}: {exc}") from None
+    finally:
+        ctl.settimeout(None)
+    return data, fds

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from pytest_smolvm import limits
+from pytest_smolvm.backends.namespace.channel import receive_fds
 from pytest_smolvm.errors import ProvisionError
 
 INSTALL_HINT = ("network=True on the namespace backend needs pasta, nftables and iproute2: "
@@ -217,13 +218,7 @@ def receive_namespaces(ctl: socket.socket, name: str) -> dict[str, int]:
     """The guest's namespace fds its setup process sent on the control socket (``"net"``, and
     ``"user"`` in user-namespace mode, whose init no host process may open through /proc), and
     ``"dns"``: its DNS proxy's UDP socket, bound in its network namespace (backends/namespace/dns.py)."""
-    ctl.settimeout(limits.LIMITS.network_ready)
-    try:
-        data, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 3)
-    except OSError as exc:
-        raise ProvisionError(f"namespace guest {name}: its namespaces never came for the network: {exc}") from None
-    finally:
-        ctl.settimeout(None)
+    data, fds = receive_fds(ctl, 3, f"namespace guest {name}: its namespaces never came for the network")
     try:
         names = json.loads(data)["namespaces"]
         if len(names) != len(fds) or not set(names) <= {"net", "user", "dns"} or "net" not in names:
