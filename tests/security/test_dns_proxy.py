@@ -144,6 +144,12 @@ def _proxy_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "smolvm-dns-proxy"]
 
 
+def _until_no_proxy_thread(seconds: float = 5) -> None:
+    deadline = time.monotonic() + seconds
+    while _proxy_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_network_true_relays_the_matching_reply_and_drops_a_forged_one(upstream: Upstream) -> None:
     server, asked = upstream
     sock, address = _guest_socket()
@@ -198,6 +204,7 @@ def test_upstream_silence_is_servfail_and_the_proxy_serves_on() -> None:
 
 def test_the_thread_and_every_socket_go_with_the_last_guest(upstream: Upstream) -> None:
     server, _asked = upstream
+    _until_no_proxy_thread()  # an earlier test's, on its way out after its last guest went
     before = set(os.listdir("/proc/self/fd"))
     guests = []
     for _ in range(3):
@@ -209,9 +216,7 @@ def test_the_thread_and_every_socket_go_with_the_last_guest(upstream: Upstream) 
     for guest, _address in guests:
         dns.stop(guest)
         dns.stop(guest)  # twice: a retried destroy
-    deadline = time.monotonic() + 5
-    while _proxy_threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _until_no_proxy_thread()
     assert _proxy_threads() == [], "the proxy thread outlived its last guest"
     assert set(os.listdir("/proc/self/fd")) - before == set(), "the proxy left fds open"
     sock, address = _guest_socket()  # and a later guest starts it again
