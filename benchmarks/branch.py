@@ -2,7 +2,9 @@
 
 Prints seconds (median of REPS) and ratios, each against its floor measured in the same run:
 
-- ``branch`` of a parent with 0, 10 and 100 MB written, against a fresh guest (``Session.create``);
+- ``branch`` of a parent with 0, 10 and 100 MB written, against a fresh guest (``Session.create``),
+  and against the raw copy floor: the same bytes copied file to file (``copy_file_range``) in a
+  directory of the runtime dir the parent's upper lives on, in the same run;
 - ``branch_batch(8)`` against 8 ``branch()`` calls;
 - ``reward("true")`` against ``exec("true")``.
 
@@ -14,7 +16,9 @@ of a parent with 100 MB written costs at most 2x a fresh guest on the namespace 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -30,6 +34,25 @@ def median_seconds(action: Callable[[], object], reps: int = REPS) -> float:
         action()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def raw_copy_seconds(size: int) -> float:
+    """The floor of a branch's copy: ``size`` bytes copied file to file on the runtime dir's
+    filesystem (a tmpfs where XDG_RUNTIME_DIR is one, as it is for the guests' uppers)."""
+    where = os.environ.get("XDG_RUNTIME_DIR") or "/dev/shm"
+    with tempfile.TemporaryDirectory(dir=where) as scratch:
+        with open(os.path.join(scratch, "src"), "wb") as src:
+            src.write(os.urandom(size))
+        turn = iter(range(REPS))
+
+        def copy() -> None:
+            with open(os.path.join(scratch, "src"), "rb") as fin, \
+                    open(os.path.join(scratch, f"dst{next(turn)}"), "wb") as fout:
+                left = size
+                while left > 0:
+                    left -= os.copy_file_range(fin.fileno(), fout.fileno(), left)
+
+        return median_seconds(copy)
 
 
 def main() -> None:
@@ -51,7 +74,10 @@ def main() -> None:
         for megabytes in (0, 10, 100):
             parent.exec(f"rm -f /w/blob; mkdir -p /w; head -c {megabytes << 20} /dev/urandom > /w/blob", check=True)
             cost = median_seconds(lambda: made.append(parent.branch()))
-            print(f"branch, {megabytes:3d} MB in the parent   {cost * 1000:8.1f} ms   {cost / floor:5.2f}x fresh")
+            raw = raw_copy_seconds(megabytes << 20) if megabytes else 0.0
+            against_raw = f"   {cost / (floor + raw):5.2f}x fresh + raw copy ({raw * 1000:.1f} ms)" if megabytes else ""
+            print(f"branch, {megabytes:3d} MB in the parent   {cost * 1000:8.1f} ms   {cost / floor:5.2f}x fresh"
+                  + against_raw)
             for vm in made:
                 session.destroy(vm)
             made.clear()
