@@ -10,12 +10,12 @@ from __future__ import annotations
 import _thread
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pytest_smolvm.session.ahead import Ahead, Pace
+from tests.waits import until
 
 
 class Maker:
@@ -34,15 +34,6 @@ class Maker:
 def took(ahead: Ahead[int], key: str, taker: object = None) -> int | None:
     order = ahead.take(key, taker)
     return order.made() if order is not None else None
-
-
-def _until(condition: Callable[[], bool], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_top_up_keeps_depth_items_in_the_making_and_hands_them_out_oldest_first() -> None:
@@ -90,14 +81,14 @@ def test_orders_for_named_takers_and_for_the_next_taker_share_one_store() -> Non
     maker.gate.set()
     ahead: Ahead[int] = Ahead(maker.discarded.append)
     ahead.order("k", maker.make, taker="test_a")
-    assert _until(lambda: ahead.pending() == 1)
+    assert until(lambda: ahead.pending() == 1)
     ahead.top_up("k", maker.make, 1)
     assert took(ahead, "k") == 2  # the next taker's, never test_a's
     assert ahead.take("k", "test_b") is None  # test_b ordered nothing
     assert took(ahead, "k", "test_a") == 1
     ahead.order("k", maker.make, taker="test_c")
     assert ahead.take("other setup", "test_c") is None  # made for another key: discarded,
-    assert _until(lambda: maker.discarded == [3])  # once made (the taker does not wait for it)
+    assert until(lambda: maker.discarded == [3])  # once made (the taker does not wait for it)
 
 
 def test_a_guest_ordered_for_a_taker_that_never_takes_it_is_discarded() -> None:
@@ -109,9 +100,9 @@ def test_a_guest_ordered_for_a_taker_that_never_takes_it_is_discarded() -> None:
     ahead.cancel("test_a")  # still in the making: discarded by its thread the moment it exists
     assert maker.discarded == []
     maker.gate.set()
-    assert _until(lambda: maker.discarded == [1])
+    assert until(lambda: maker.discarded == [1])
     order = ahead.order("k", maker.make, taker="test_b")
-    assert _until(lambda: order.job.done)
+    assert until(lambda: order.job.done)
     ahead.cancel("test_b")  # made already: discarded at once
     ahead.cancel("test_b")  # and once only
     assert maker.discarded == [1, 2] and ahead.pending() == 0
@@ -133,7 +124,7 @@ def test_a_taker_interrupted_while_its_guest_is_made_discards_it_the_moment_it_e
         order.outcome()
     timer.join()
     maker.gate.set()
-    assert _until(lambda: maker.discarded == [1]), "the guest made for an interrupted taker was kept"
+    assert until(lambda: maker.discarded == [1]), "the guest made for an interrupted taker was kept"
 
 
 def test_cancel_all_is_bounded_and_what_is_made_after_it_is_discarded() -> None:
@@ -145,7 +136,7 @@ def test_cancel_all_is_bounded_and_what_is_made_after_it_is_discarded() -> None:
     ahead.cancel_all(0.2)
     assert time.monotonic() - began < 5 and maker.discarded == [] and ahead.pending() == 0
     maker.gate.set()
-    assert _until(lambda: sorted(maker.discarded) == [1, 2])
+    assert until(lambda: sorted(maker.discarded) == [1, 2])
 
 
 def test_pace_makes_the_next_guests_only_where_free_and_queues_tests_by_littles_law() -> None:

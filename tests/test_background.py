@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ import pytest
 from pytest_smolvm.session.ahead import Ahead
 from pytest_smolvm.session.background import Bounded, Teardown
 from pytest_smolvm.session.pool import READY_TEST_ID
+from tests.waits import until
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -153,15 +154,6 @@ def test_fails(smol_vm, i):
     pytester.runpytest_subprocess().assert_outcomes(passed=3, failed=3)
 
 
-def _wait_until(condition: Callable[[], bool], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_bounded_calls_share_one_kept_thread() -> None:
     """A thread start per destroy was ~0.15 ms of CPU a guest: the runner keeps its thread."""
     bounded = Bounded("test-bounded")
@@ -276,10 +268,10 @@ def test_aio_calls_reuse_kept_threads_and_grow_only_while_all_are_busy() -> None
     passed: list[bool] = []
     for _ in range(5):  # five calls that each wait for the other four: five threads at once
         kept.submit(lambda: passed.append(together.wait() >= 0))
-    assert _wait_until(lambda: len(passed) == 5)
-    assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "test-kept"])  # idle ones end
+    assert until(lambda: len(passed) == 5)
+    assert until(lambda: not [t for t in threading.enumerate() if t.name == "test-kept"])  # idle ones end
     kept.submit(lambda: passed.append(True))  # and a later call starts a thread again
-    assert _wait_until(lambda: len(passed) == 6)
+    assert until(lambda: len(passed) == 6)
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")

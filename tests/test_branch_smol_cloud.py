@@ -3,16 +3,13 @@ the engine's rules (a source must be started branchable; a parent goes after its
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from pytest_smolvm.host import registry
 from tests.smolcloud.harness import LoopbackCloud
+from tests.waits import pytest_under_way
 
 pytest.importorskip("smol")
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
@@ -88,12 +85,7 @@ def test_ctrl_c_mid_test_deletes_a_whole_family(pytester: pytest.Pytester, cloud
             Path({str(started)!r}).write_text("")
             time.sleep(120)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SMOL], cwd=pytester.path, env=os.environ.copy(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert started.exists(), proc.communicate(timeout=60)[0]
+    proc = pytest_under_way(SMOL, pytester.path, started)
     assert len([m for m in cloud.machines() if m["owner"] == token]) >= 5
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)

@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pytest_smolvm.host import registry
 from tests.smolcloud.harness import LoopbackCloud
+from tests.waits import pytest_under_way
 
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
 
@@ -93,12 +93,7 @@ def test_a_signal_mid_test_deletes_every_machine(pytester: pytest.Pytester, clou
             Path({str(started)!r}).write_text("")
             time.sleep(120)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", *SMOL], cwd=pytester.path, env=os.environ.copy(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert started.exists(), proc.communicate(timeout=60)[0]
+    proc = pytest_under_way(SMOL, pytester.path, started)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
