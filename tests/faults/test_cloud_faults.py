@@ -79,25 +79,67 @@ def test_a_503_on_a_machine_start_is_retried_or_ends_the_create_at_once(
     assert status == 0, err
 
 
-def test_a_branch_the_cloud_never_answers_is_given_up_after_smol_call_and_retried(
-        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SDK sends a branch with a 30-minute timeout: a control plane that never answered held
-    the test's setup that long. Now ``LIMITS.smol_call`` (lowered to 5 s here) bounds it, and the
-    pool makes the guest again."""
-    server = LoopbackCloud("--fail", "branch:1:stall", state_dir=tmp_path / "state")
+@pytest.mark.parametrize(("fault", "limit"), [("branch:1:stall", "smol_call"), ("branch:1:unready", "smol_ready")],
+                         ids=["never answered", "never ready"])
+def test_a_branch_the_cloud_never_answers_or_readies_is_given_up_and_retried(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch,
+        fault: str, limit: str) -> None:
+    """The SDK sends a branch with a 30-minute timeout, then waits 120 s for the clone to be ready,
+    whatever its caller's bound: a control plane that never answered, or a clone stuck booting, held
+    the test's setup that long. Now ``LIMITS.smol_call`` bounds the call and ``LIMITS.smol_ready``
+    the wait (each lowered to 5 s here), the clone is deleted and the pool makes the guest again."""
+    server = LoopbackCloud("--fail", fault, state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        pytester.makeconftest(f"""
+            import dataclasses
+            from pytest_smolvm import limits
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, {limit}=5.0)
+        """)
+        pytester.makepyfile("""
+            def test_one(smol_vm):
+                assert smol_vm.exec("echo ok").stdout == "ok\\n"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=60)  # the SDK alone waited 120 s
+        result.assert_outcomes(passed=1)
+        assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
+        assert server.wait_for_no_machines() == []
+    finally:
+        status, err = server.stop()
+    assert status == 0, err
+
+
+@pytest.mark.parametrize("call", ["branch()", "branch_batch(2)"])
+def test_vm_branch_whose_clones_never_become_ready_fails_within_its_bound(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch,
+        call: str) -> None:
+    """``vm.branch`` ran the SDK's branch with no bound at all (30 minutes for the answer, 120 s
+    per clone for readiness): now it has the create's bounds, ends in one clear error, and the
+    clones that never came up are deleted with the rest of the run's machines."""
+    server = LoopbackCloud("--fail", "branch:2:unready", state_dir=tmp_path / "state")  # 1: the guest itself
     try:
         for key, value in server.env().items():
             monkeypatch.setenv(key, value)
         pytester.makeconftest("""
             import dataclasses
             from pytest_smolvm import limits
-            limits.LIMITS = dataclasses.replace(limits.LIMITS, smol_call=5.0)
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, smol_ready=5.0)
         """)
-        pytester.makepyfile("""
-            def test_one(smol_vm):
+        pytester.makepyfile(f"""
+            import time
+            import pytest
+            from pytest_smolvm import ProvisionError
+
+            @pytest.mark.smol(branchable=True)
+            def test_branch(smol_vm):
+                began = time.monotonic()
+                with pytest.raises(ProvisionError, match="could not branch"):
+                    smol_vm.{call}
+                assert time.monotonic() - began < 30
                 assert smol_vm.exec("echo ok").stdout == "ok\\n"
         """)
-        result = pytester.runpytest_subprocess(*SMOL, timeout=90)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=60)
         result.assert_outcomes(passed=1)
         assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
         assert server.wait_for_no_machines() == []

@@ -44,7 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="an image reference served from a rootfs dir or tarball (repeatable)")
     parser.add_argument("--fail", type=_fault, action="append", default=[], metavar="OP:N:STATUS[:RA]",
                         help="make the Nth OP call (create, start, branch, exec, delete, list) fail "
-                             "with STATUS, optionally with retry-after RA seconds (repeatable)")
+                             "with STATUS, optionally with retry-after RA seconds; STATUS drop, lost or stall "
+                             "hangs up; branch:N:unready answers with children never ready (repeatable)")
     parser.add_argument("--fail-create", type=_fail_create, action="append", default=[], metavar="N:STATUS",
                         help="shorthand for --fail create:N:STATUS")
     parser.add_argument("--ready-delay", type=float, default=0.0,

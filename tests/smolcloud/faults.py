@@ -5,8 +5,10 @@ says of 408/429/502/503/504, transport.py:1929-1930); ``--fail branch:1:429:1`` 
 ``retry-after: 1`` header. ``--fail create:1:drop`` hangs up on the first create before doing
 it, ``--fail create:1:lost`` does it and then hangs up: the machine exists, the client never hears
 of it; ``--fail branch:1:stall`` never answers (a hung control plane: the connection stays open,
-nothing is done, until ``STALL_SECONDS`` or the server's end). Counts are per server, across
-every token.
+nothing is done, until ``STALL_SECONDS`` or the server's end); ``--fail branch:1:unready`` does
+the branch and answers it, but its children never become ready (state ``created``, ``ready``
+false: a clone stuck booting, which the SDK's ``_wait_for_ready`` polls for). Counts are per
+server, across every token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tests.smolcloud import wire
 OPERATIONS = ("create", "start", "branch", "exec", "delete", "list")
 RETRYABLE = frozenset({408, 429, 502, 503, 504})
 HANG_UPS = ("drop", "lost", "stall")  # no answer: a hang-up before or after the operation, or none at all
+UNREADY = "unready"  # the operation is done and answered; what it made never becomes ready
 STALL_SECONDS = 600.0
 
 
@@ -29,6 +32,7 @@ class Fault:
     status: int
     retry_after: int | None = None
     hang_up: str = ""  # one of HANG_UPS: the connection closes instead of an answer (status is 0)
+    unready: bool = False  # answered, but what it made never becomes ready (status is 0)
 
 
 def parse_fault(text: str) -> Fault:
@@ -37,6 +41,10 @@ def parse_fault(text: str) -> Fault:
     if len(parts) not in (3, 4) or parts[0] not in OPERATIONS:
         raise ValueError(f"--fail {text}: expected OP:N:STATUS[:RETRY_AFTER] with OP one of "
                          f"{', '.join(OPERATIONS)}")
+    if len(parts) == 3 and parts[2] == UNREADY and parts[1].isdigit() and int(parts[1]) >= 1:
+        if parts[0] != "branch":
+            raise ValueError(f"--fail {text}: {UNREADY} applies to branch only")
+        return Fault(parts[0], int(parts[1]), 0, unready=True)
     if len(parts) == 3 and parts[2] in HANG_UPS and parts[1].isdigit() and int(parts[1]) >= 1:
         return Fault(parts[0], int(parts[1]), 0, hang_up=parts[2])
     try:
@@ -57,7 +65,9 @@ class Faults:
         self._local = threading.local()  # a hang-up due on this handler thread's connection
         self._stop = threading.Event()  # never set: a stalled call waits its STALL_SECONDS
 
-    def check(self, operation: str) -> None:
+    def check(self, operation: str) -> bool:
+        """Raise (or arrange a hang-up) where a fault is due; True where what the call makes
+        is to stay unready."""
         with self._lock:
             count = self._counts[operation] = self._counts.get(operation, 0) + 1
             hit = next((f for f in self._faults if f.operation == operation and f.nth == count), None)
@@ -70,11 +80,14 @@ class Faults:
             self._local.hang_up = True
             if hit.hang_up == "drop":
                 raise wire.ApiError(503, "injected_failure", f"{operation} call {count} dropped (--fail)")
-            return
+            return False
+        if hit is not None and hit.unready:
+            return True
         if hit is not None:
             raise wire.ApiError(hit.status, "injected_failure",
                                 f"injected failure of {operation} call {count} (--fail)",
                                 retryable=hit.status in RETRYABLE, retry_after=hit.retry_after)
+        return False
 
     def take_hang_up(self) -> bool:
         """Whether this thread's answer is to be a closed connection instead (once)."""

@@ -151,12 +151,14 @@ class SmolBackend:
         machine = self._source_machine(source)
         self._asked = True
         try:
-            with engine_bounded(self.target):
+            with engine_bounded(self.target, ready=self.ready_timeout):
                 child = (machine.branch(spec.name, branchable=True) if spec.branchable  # alone (smol/branch.py)
                          else self._batcher.branch(source.name, machine, spec.name,
                                                    lambda extra: delete_machine(extra, extra.name, self.target),
                                                    lambda names: delete_named(names, self.target)))
         except SmolError as exc:
+            with contextlib.suppress(Exception):
+                delete_named([spec.name], self.target)  # answered but never ready: it exists
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,
                           on_release=self._release, branchable=spec.branchable)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_smolvm.backends.smol.common import provision_error
 from pytest_smolvm.backends.smol.guest import SmolGuest, delete_machine, delete_named
+from pytest_smolvm.backends.smol.sdk import engine_bounded
 from pytest_smolvm.errors import GuestError
 
 if TYPE_CHECKING:
@@ -43,15 +44,14 @@ def branch(backend: Any, parent: Guest, specs: Sequence[VMSpec]) -> list[SmolGue
     machine = parent._machine
     names = [spec.name for spec in specs]
     try:
-        if len(specs) == 1:
-            made = [machine.branch(names[0], branchable=specs[0].branchable)]
-        else:
-            made = list(machine.branch_batch(names=names))
-            if sorted(str(getattr(m, "name", "")) for m in made) != sorted(names):
-                for extra in made:
-                    with contextlib.suppress(Exception):
-                        delete_machine(extra, str(getattr(extra, "name", "")), target)
-                raise GuestError(f"vm.branch_batch of {parent.name}: the engine made other machines than asked")
+        with engine_bounded(target, ready=backend.ready_timeout):  # the branch and its readiness wait
+            made = ([machine.branch(names[0], branchable=specs[0].branchable)] if len(specs) == 1
+                    else list(machine.branch_batch(names=names)))
+        if len(specs) > 1 and sorted(str(getattr(m, "name", "")) for m in made) != sorted(names):
+            for extra in made:
+                with contextlib.suppress(Exception):
+                    delete_machine(extra, str(getattr(extra, "name", "")), target)
+            raise GuestError(f"vm.branch_batch of {parent.name}: the engine made other machines than asked")
     except SmolError as exc:
         with contextlib.suppress(Exception):
             delete_named(names, target)  # an answer lost on the way back: what exists of them goes

@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -87,17 +88,21 @@ _START_PATH = re.compile(r"^/v1/machines/[^/?]+/start(\?.*)?$")
 _BRANCH_PATH = re.compile(r"^/v1/machines/[^/?]+/(branches|branches/batch|fork|fork-batch)$")
 _checked_start = threading.local()  # the bound (seconds) in threads that asked, else unset
 _patch_lock = threading.Lock()
+# clone id -> the monotonic time its readiness wait must end by: set when a bounded branch is
+# answered, taken by the wait (which fork_batch runs in threads of its own, outside the bound)
+_ready_by: dict[str, float] = {}
+_ready_lock = threading.Lock()  # the branch answers and the waits come from many threads
 
 
-def engine_bounded(target: str) -> contextlib.AbstractContextManager[None]:
+def engine_bounded(target: str, ready: float | None = None) -> contextlib.AbstractContextManager[None]:
     """:func:`start_checked` for a cloud target (``LIMITS.smol_call``, read now), else nothing."""
     from pytest_smolvm import limits
 
-    return start_checked(limits.LIMITS.smol_call) if target == "cloud" else contextlib.nullcontext()
+    return start_checked(limits.LIMITS.smol_call, ready) if target == "cloud" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def start_checked(bound: float) -> Iterator[None]:
+def start_checked(bound: float, ready: float | None = None) -> Iterator[None]:
     """Cloud calls in this thread that start or branch a machine, bounded; a start retried, not
     swallowed.
 
@@ -113,6 +118,12 @@ def start_checked(bound: float) -> Iterator[None]:
     ``CloudTransport.start`` sends it (transport.py:1536-1543; the engine's start of a started
     machine is a no-op), so the SDK's retry loop resends it where the error says retry, with a
     timeout of ``bound``; if it still fails, :class:`StartFailed` ends the create at once.
+
+    A branch's answer is followed by the SDK's readiness wait for each clone (module-global
+    ``_wait_for_ready``, transport.py:1704 and, in a thread pool, 1760) with its default 120 s,
+    whatever the caller's bound: a clone stuck booting held the test's setup that long. The ids a
+    bounded branch returns get ``ready`` (else ``bound``) from its answer, and the wait ends there
+    with the SDK's own ``TIMEOUT`` error (retryable: the pool makes the guest again).
     """
     from smol import SmolError, transport
 
@@ -124,6 +135,9 @@ def start_checked(bound: float) -> Iterator[None]:
                 limit = getattr(_checked_start, "bound", None)
                 if limit is not None and method == "POST" and _BRANCH_PATH.match(path):
                     kwargs["timeout"] = min(float(kwargs.get("timeout") or limit), limit)
+                    answer = original(base_url, api_key, method, path, **kwargs)
+                    _bound_readiness(answer, getattr(_checked_start, "ready", None) or limit)
+                    return answer
                 if limit is None or method != "POST" or not _START_PATH.match(path):
                     return original(base_url, api_key, method, path, **kwargs)
                 kwargs["idempotent"] = True
@@ -136,11 +150,38 @@ def start_checked(bound: float) -> Iterator[None]:
             fetch._pytest_smolvm = True  # type: ignore[attr-defined]
             fetch.__wrapped__ = original  # type: ignore[attr-defined]
             transport._cloud_fetch = fetch
-    _checked_start.bound = bound
+
+            wait_for_ready = transport._wait_for_ready
+
+            def wait(base_url: str, api_key: str, machine_id: str, timeout_s: float = 120.0,
+                     interval_s: float = 1.0) -> None:
+                with _ready_lock:
+                    deadline = _ready_by.pop(machine_id, None)
+                if deadline is not None:
+                    timeout_s = max(0.0, min(timeout_s, deadline - time.monotonic()))
+                wait_for_ready(base_url, api_key, machine_id, timeout_s=timeout_s, interval_s=interval_s)
+
+            wait.__wrapped__ = wait_for_ready  # type: ignore[attr-defined]
+            transport._wait_for_ready = wait
+    _checked_start.bound, _checked_start.ready = bound, ready
     try:
         yield
     finally:
-        _checked_start.bound = None
+        _checked_start.bound = _checked_start.ready = None
+
+
+def _bound_readiness(answer: Any, bound: float) -> None:
+    """Note the clones a branch answered with (``{"id"}``, or ``{"clones": [{"id"}]}`` for a
+    batch: transport.py:1702, 1751-1755) as due ready within ``bound``."""
+    now = time.monotonic()
+    answer = answer if isinstance(answer, dict) else {}
+    clones = [answer, *(answer.get("clones") or [])]
+    with _ready_lock:
+        for stale in [key for key, deadline in _ready_by.items() if deadline < now]:
+            del _ready_by[stale]  # answers whose wait never came (the SDK raised first)
+        for clone in clones:
+            if isinstance(clone, dict) and isinstance(clone.get("id"), str):
+                _ready_by[clone["id"]] = now + bound
 
 
 def private_api_problems() -> list[str]:
@@ -169,4 +210,12 @@ def private_api_problems() -> list[str]:
         problems.append("smol.transport._cloud_fetch(..., timeout=, idempotent=) is gone (start_checked)")
     elif '/start"' not in inspect.getsource(transport.make_transport):
         problems.append("make_transport no longer starts a cloud machine by POST .../start (start_checked)")
+    wait = inspect.unwrap(transport._wait_for_ready) if hasattr(transport, "_wait_for_ready") else None
+    if wait is None or list(inspect.signature(wait).parameters) != [
+            "base_url", "api_key", "machine_id", "timeout_s", "interval_s"]:
+        problems.append("smol.transport._wait_for_ready(base_url, api_key, machine_id, timeout_s, interval_s) "
+                        "is gone or changed shape (start_checked)")
+    elif not all("_wait_for_ready" in inspect.getsource(method)
+                 for method in (transport.CloudTransport.fork, transport.CloudTransport.fork_batch)):
+        problems.append("CloudTransport.fork/fork_batch no longer wait through _wait_for_ready (start_checked)")
     return problems
