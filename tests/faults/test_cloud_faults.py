@@ -7,6 +7,8 @@ Each run retries or errors clearly; afterwards the cloud holds no machine of the
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +19,27 @@ pytest.importorskip("smol")
 SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
 
 
+@contextlib.contextmanager
+def cloud_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *faults: str) -> Iterator[LoopbackCloud]:
+    """A loopback cloud of its own with ``--fail`` ``faults``, the environment pointed at it;
+    after the body it must hold no machine and stop cleanly."""
+    server = LoopbackCloud(*[arg for fault in faults for arg in ("--fail", fault)], state_dir=tmp_path / "state")
+    try:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        yield server
+        assert server.wait_for_no_machines() == [], f"{faults}: machines left on the cloud"
+    finally:
+        status, err = server.stop()
+    assert status == 0, err
+
+
 # (5xx answers to a branch are tests/test_smol_cloud_plugin.py's; a dropped connection
 # is the SDK's to retry or fail, and a lost answer left the machine on the cloud until its TTL.)
 @pytest.mark.parametrize("fault", ["create:1:503", "create:1:drop", "create:1:lost", "branch:1:drop", "branch:1:lost"])
 def test_the_cloud_failing_mid_create(pytester: pytest.Pytester, tmp_path: Path, smol_state: Path,
                                       monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    server = LoopbackCloud("--fail", fault, state_dir=tmp_path / "state")
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
+    with cloud_failing(tmp_path, monkeypatch, fault) as server:
         pytester.makepyfile("""
             def test_one(smol_vm):
                 assert smol_vm.exec("echo ok").stdout == "ok\\n"
@@ -42,10 +56,6 @@ def test_the_cloud_failing_mid_create(pytester: pytest.Pytester, tmp_path: Path,
         assert server.wait_for_no_machines() == [], f"{fault}: machines left on the cloud"
         # the next run, with the fault spent, is whole
         pytester.runpytest_subprocess(*SMOL).assert_outcomes(passed=2)
-        assert server.wait_for_no_machines() == []
-    finally:
-        status, err = server.stop()
-    assert status == 0, err
 
 
 @pytest.mark.parametrize("faults", [["start:1:503"], [f"start:{n}:503" for n in range(1, 41)]],
@@ -56,10 +66,7 @@ def test_a_503_on_a_machine_start_is_retried_or_ends_the_create_at_once(
     """The SDK's create swallowed a failed start and waited its whole readiness timeout (120 s):
     now the start is resent where the 503 says retry, and one that keeps failing ends the create
     (the machine deleted) with one clear error, well within a minute."""
-    server = LoopbackCloud(*[arg for fault in faults for arg in ("--fail", fault)], state_dir=tmp_path / "state")
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
+    with cloud_failing(tmp_path, monkeypatch, *faults) as server:
         pytester.makepyfile("""
             def test_one(smol_vm):
                 assert smol_vm.exec("echo ok").stdout == "ok\\n"
@@ -73,10 +80,6 @@ def test_a_503_on_a_machine_start_is_retried_or_ends_the_create_at_once(
             result.assert_outcomes(errors=1)
             result.stdout.fnmatch_lines(["*could not start source pytest-smolvm-src-*injected failure of start*"])
             assert "INTERNALERROR" not in result.stdout.str()
-        assert server.wait_for_no_machines() == []
-    finally:
-        status, err = server.stop()
-    assert status == 0, err
 
 
 @pytest.mark.parametrize(("fault", "limit"), [("branch:1:stall", "smol_call"), ("branch:1:unready", "smol_ready")],
@@ -88,10 +91,7 @@ def test_a_branch_the_cloud_never_answers_or_readies_is_given_up_and_retried(
     whatever its caller's bound: a control plane that never answered, or a clone stuck booting, held
     the test's setup that long. Now ``LIMITS.smol_call`` bounds the call and ``LIMITS.smol_ready``
     the wait (each lowered to 5 s here), the clone is deleted and the pool makes the guest again."""
-    server = LoopbackCloud("--fail", fault, state_dir=tmp_path / "state")
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
+    with cloud_failing(tmp_path, monkeypatch, fault) as server:
         pytester.makeconftest(f"""
             import dataclasses
             from pytest_smolvm import limits
@@ -104,10 +104,6 @@ def test_a_branch_the_cloud_never_answers_or_readies_is_given_up_and_retried(
         result = pytester.runpytest_subprocess(*SMOL, timeout=60)  # the SDK alone waited 120 s
         result.assert_outcomes(passed=1)
         assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
-        assert server.wait_for_no_machines() == []
-    finally:
-        status, err = server.stop()
-    assert status == 0, err
 
 
 @pytest.mark.parametrize("call", ["branch()", "branch_batch(2)"])
@@ -117,10 +113,7 @@ def test_vm_branch_whose_clones_never_become_ready_fails_within_its_bound(
     """``vm.branch`` ran the SDK's branch with no bound at all (30 minutes for the answer, 120 s
     per clone for readiness): now it has the create's bounds, ends in one clear error, and the
     clones that never came up are deleted with the rest of the run's machines."""
-    server = LoopbackCloud("--fail", "branch:2:unready", state_dir=tmp_path / "state")  # 1: the guest itself
-    try:
-        for key, value in server.env().items():
-            monkeypatch.setenv(key, value)
+    with cloud_failing(tmp_path, monkeypatch, "branch:2:unready") as server:  # 1: the guest itself
         pytester.makeconftest("""
             import dataclasses
             from pytest_smolvm import limits
@@ -142,7 +135,3 @@ def test_vm_branch_whose_clones_never_become_ready_fails_within_its_bound(
         result = pytester.runpytest_subprocess(*SMOL, timeout=60)
         result.assert_outcomes(passed=1)
         assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
-        assert server.wait_for_no_machines() == []
-    finally:
-        status, err = server.stop()
-    assert status == 0, err
