@@ -33,89 +33,78 @@ def unpack(baseline: Baseline, *, by: str = "main") -> Rootfs:
         return Rootfs(baseline.path)
     if baseline.kind not in ("bundled", "rootfs-tar", "image-archive", "registry"):
         raise UsageError(f"--smol-baseline={baseline.reference}: a {baseline.kind} baseline needs the smol backend")
-    store = cache_dir() / "baselines"
     # A registry baseline's digest may name a multi-platform index: the tree is this host's manifest.
     key = (baseline.path.name if baseline.kind == "registry" else baseline.digest.split(":", 1)[-1])[:32]
-    final = store / key
-    # A finished tree comes into place whole (a staging dir renamed, image.json written inside it
-    # first) and nothing removes one, so a hit needs no lock: every run but a host's first takes
-    # this path, without importing filelock (on the way to a run's first guest).
-    found = _finished(final)
-    if found is not None and _intact(final):
-        return found
-    store.mkdir(parents=True, exist_ok=True)
-    from filelock import FileLock
+    path = baseline.path
 
-    with FileLock(str(store / f"{key}.lock")):
-        found = _finished(final, locked=True)
-        if found is not None and _intact(final, locked=True, what=baseline.reference):
-            return found
-        started = time.monotonic()
-        _remove_orphans(store, key)
-        staging = store / f".unpack-{key}-{os.getpid()}"
-        try:
-            (staging / "rootfs").mkdir(parents=True)
-            if baseline.kind == "registry":
-                from pytest_smolvm.baselines.oci.pull import unpack_image
+    def fill(rootfs: Path) -> dict[str, Any]:
+        if baseline.kind == "registry":
+            from pytest_smolvm.baselines.oci.pull import unpack_image
 
-                config = unpack_image(baseline.path, staging / "rootfs", baseline.reference)
-            elif baseline.kind == "image-archive":
-                config = unpack_image_archive(baseline.path, staging / "rootfs")
-            else:
-                with open_maybe_compressed(baseline.path) as stream:
-                    apply_layer(stream, staging / "rootfs", squash_owner=baseline.kind == "bundled")
-                config = {}
-            (staging / "image.json").write_text(json.dumps({
-                "reference": baseline.reference, "digest": baseline.digest,
-                "env": config.get("Env") or [], "workdir": config.get("WorkingDir") or "/",
-                "user": config.get("User") or ""}))
-            manifest.write(staging)
-            os.replace(staging, final)
-        except BaseException:
-            force_rmtree(staging)
-            raise
-        elapsed = time.monotonic() - started
-        _log_preparation(store, baseline, elapsed, by)
-        return _load_rootfs(final)
+            config = unpack_image(path, rootfs, baseline.reference)
+        elif baseline.kind == "image-archive":
+            config = unpack_image_archive(path, rootfs)
+        else:
+            with open_maybe_compressed(path) as stream:
+                apply_layer(stream, rootfs, squash_owner=baseline.kind == "bundled")
+            config = {}
+        return {"reference": baseline.reference, "digest": baseline.digest, "env": config.get("Env") or [],
+                "workdir": config.get("WorkingDir") or "/", "user": config.get("User") or ""}
+
+    return _made_once(cache_dir() / "baselines" / key, baseline.reference, fill, baseline, by)
 
 
 def prepare_derived(key: str, parent: Baseline, parent_rootfs: Rootfs, capture: Callable[[Path], None], *,
                     by: str = "main") -> Rootfs:
     """A rootfs made by ``capture(staging_dir)``, once per host per ``key`` (a warm baseline).
 
-    Same guarantees as :func:`unpack`: a file lock, a staging dir renamed into place, and a
-    line in the preparations log. It inherits the parent's environment and workdir.
+    Same guarantees as :func:`unpack`; it inherits the parent's environment and workdir.
     """
-    store = cache_dir() / "baselines"
-    final = store / f"warm-{key[:32]}"
+    reference = f"{parent.reference} + setup"
+    final = cache_dir() / "baselines" / f"warm-{key[:32]}"
+
+    def fill(rootfs: Path) -> dict[str, Any]:
+        capture(rootfs)
+        return {"reference": reference, "digest": f"sha256:{key}", "parent": parent.digest,
+                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir,
+                "user": parent_rootfs.user}
+
+    return _made_once(final, reference, fill, Baseline(reference, "rootfs-dir", final, f"sha256:{key}"), by)
+
+
+def _made_once(final: Path, what: str, fill: Callable[[Path], dict[str, Any]], logged: Baseline,
+               by: str) -> Rootfs:
+    """The tree at ``final``, made at most once per host: under a file lock, ``fill`` writes the
+    rootfs into a staging dir and returns its image.json; a manifest is written, the dir renamed
+    into place, and a line added to the preparations log (as ``logged``, by ``by``).
+
+    A finished tree comes into place whole (image.json is written inside the staging dir first)
+    and nothing removes one but a failed check, so a hit needs no lock: every run but a host's
+    first takes this path, without importing filelock (on the way to a run's first guest).
+    """
     found = _finished(final)
     if found is not None and _intact(final):
-        return found  # no lock for a hit: see unpack
+        return found
+    store = final.parent
     store.mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
-    with FileLock(str(store / f"warm-{key[:32]}.lock")):
+    with FileLock(str(store / f"{final.name}.lock")):
         found = _finished(final, locked=True)
-        if found is not None and _intact(final, locked=True, what=f"{parent.reference} + setup"):
+        if found is not None and _intact(final, locked=True, what=what):
             return found
         started = time.monotonic()
         _remove_orphans(store, final.name)
-        staging = store / f".warm-{key[:32]}-{os.getpid()}"
+        staging = store / f"{_staging_prefix(final.name)}-{os.getpid()}"
         try:
             (staging / "rootfs").mkdir(parents=True)
-            capture(staging / "rootfs")
-            (staging / "image.json").write_text(json.dumps({
-                "reference": f"{parent.reference} + setup", "digest": f"sha256:{key}", "parent": parent.digest,
-                "env": [f"{k}={v}" for k, v in parent_rootfs.env.items()], "workdir": parent_rootfs.workdir,
-                "user": parent_rootfs.user}))
+            (staging / "image.json").write_text(json.dumps(fill(staging / "rootfs")))
             manifest.write(staging)
             os.replace(staging, final)
         except BaseException:
             force_rmtree(staging)
             raise
-        elapsed = time.monotonic() - started
-        _log_preparation(store, Baseline(f"{parent.reference} + setup", "rootfs-dir", final, f"sha256:{key}"),
-                         elapsed, by)
+        _log_preparation(store, logged, time.monotonic() - started, by)
         return _load_rootfs(final)
 
 
@@ -182,7 +171,7 @@ def _intact(final: Path, *, locked: bool = False, what: str = "") -> bool:
     if not locked:
         return False
     warnings.warn(SmolVMWarning(f"the cached baseline {what or final.name} was damaged ({damage}); "
-                                f"unpacking it again in {final.parent}"), stacklevel=3)
+                                f"unpacking it again in {final.parent}"), stacklevel=4)
     damaged = final.with_name(f".damaged-{final.name}-{os.getpid()}")
     os.replace(final, damaged)  # at once: no run takes the damaged tree from here on
     force_rmtree(damaged)
@@ -193,10 +182,13 @@ def _remove_orphans(store: Path, name: str) -> None:
     """Staging (and set-aside) dirs of processes killed mid-unpack (SIGKILL, OOM, a power cut).
     Called under ``name``'s lock, so no live process is filling one; each would stay for good:
     the next unpack's staging dir is named by its own pid."""
-    prefix = ".warm-" if name.startswith("warm-") else ".unpack-"
-    for pattern in (f"{prefix}{name.removeprefix('warm-')}-*", f".damaged-{name}-*"):
+    for pattern in (f"{_staging_prefix(name)}-*", f".damaged-{name}-*"):
         for orphan in store.glob(pattern):
             force_rmtree(orphan)
+
+
+def _staging_prefix(name: str) -> str:
+    return f".warm-{name.removeprefix('warm-')}" if name.startswith("warm-") else f".unpack-{name}"
 
 
 def _load_rootfs(final: Path) -> Rootfs:
