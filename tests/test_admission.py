@@ -89,12 +89,8 @@ def test_the_summary_reports_the_peak_held(pytester: pytest.Pytester, smol_state
     result.stdout.fnmatch_lines(["smolvm: admission: peak held on this host: 4 of * alive, * creating*"])
 
 
-def test_waiters_of_one_process_do_not_all_poll(smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under --smol-concurrency a worker has a hundred threads waiting for admission; each used to
-    try every slot's lock file every 20 ms. One polls; the others wait their turn."""
-    gate = admission.Gate("test-poll", 4)
-    elsewhere = admission.Gate("test-poll", 4)  # its own open files: another process, as flock sees it
-    held = [elsewhere.acquire() for _ in range(4)]
+def count_lock_tries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the admission module's flock calls from now on."""
     calls = [0]
     real_flock = admission.fcntl.flock
 
@@ -103,6 +99,16 @@ def test_waiters_of_one_process_do_not_all_poll(smol_state: Path, monkeypatch: p
         real_flock(fd, operation)
 
     monkeypatch.setattr(admission.fcntl, "flock", counting)
+    return calls
+
+
+def test_waiters_of_one_process_do_not_all_poll(smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --smol-concurrency a worker has a hundred threads waiting for admission; each used to
+    try every slot's lock file every 20 ms. One polls; the others wait their turn."""
+    gate = admission.Gate("test-poll", 4)
+    elsewhere = admission.Gate("test-poll", 4)  # its own open files: another process, as flock sees it
+    held = [elsewhere.acquire() for _ in range(4)]
+    calls = count_lock_tries(monkeypatch)
     got: list[admission.Slot] = []
     waiters = [threading.Thread(target=lambda: got.append(gate.acquire())) for _ in range(20)]
     for waiter in waiters:
@@ -193,14 +199,7 @@ sys.stdin.readline()
     gate = admission.Gate("test-sleep", 4)
     try:
         assert other.stdout is not None and other.stdout.readline() == "held\n"
-        calls = [0]
-        real_flock = admission.fcntl.flock
-
-        def counting(fd: int, operation: int) -> None:
-            calls[0] += 1
-            real_flock(fd, operation)
-
-        monkeypatch.setattr(admission.fcntl, "flock", counting)
+        calls = count_lock_tries(monkeypatch)
         got: list[admission.Slot] = []
         waiter = threading.Thread(target=lambda: got.append(gate.acquire()))
         waiter.start()
