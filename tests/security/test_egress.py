@@ -16,10 +16,14 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import tools
+
+if TYPE_CHECKING:
+    from tests.smolcloud.harness import LoopbackCloud
 
 
 @pytest.fixture(autouse=True)
@@ -376,37 +380,27 @@ def test_the_egress_ledger_records_every_attempt_in_the_log_and_the_results(
 
 
 def test_allow_hosts_means_the_same_on_the_smol_backend_through_the_loopback_cloud(
-        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str, cloud: LoopbackCloud, token: str) -> None:
     """The same marker through the real SDK and the smol backend: the SDK sends an allowCidrs
     network, the loopback service enforces it with a namespace guest's allowlist."""
-    pytest.importorskip("smol")
-    from tests.smolcloud.harness import LoopbackCloud
+    pytester.makepyfile(f"""
+        import pytest
 
-    cloud = LoopbackCloud(state_dir=tmp_path / "cloud-state")
-    try:
-        for key, value in cloud.env(f"tok-{uuid.uuid4().hex[:12]}").items():
-            monkeypatch.setenv(key, value)
-        pytester.makepyfile(f"""
-            import pytest
+        def get(vm, host):
+            return "ok" in vm.exec(f"wget -q -T 3 -O /dev/null http://{{host}}:8080/ && echo ok").stdout
 
-            def get(vm, host):
-                return "ok" in vm.exec(f"wget -q -T 3 -O /dev/null http://{{host}}:8080/ && echo ok").stdout
+        @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
+        def test_allowlisted(smol_vm):
+            assert get(smol_vm, "{INTERNET_HOST}")
+            assert not get(smol_vm, "{OTHER_HOST}")
 
-            @pytest.mark.smol(allow_hosts=["{INTERNET_HOST}"])
-            def test_allowlisted(smol_vm):
-                assert get(smol_vm, "{INTERNET_HOST}")
-                assert not get(smol_vm, "{OTHER_HOST}")
-
-            def test_default_is_off(smol_vm):
-                assert not get(smol_vm, "{INTERNET_HOST}")
-        """)
-        result = pytester.runpytest_subprocess("--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine",
-                                               "-p", "no:cacheprovider")
-        result.assert_outcomes(passed=2)
-    finally:
-        status, err = cloud.stop()
-    assert status == 0, err
+        def test_default_is_off(smol_vm):
+            assert not get(smol_vm, "{INTERNET_HOST}")
+    """)
+    result = pytester.runpytest_subprocess("--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert cloud.wait_for_no_machines(token=token) == []
 
 
 def _run_with_resolver(pytester: pytest.Pytester, conf: Path, *args: str) -> pytest.RunResult:
