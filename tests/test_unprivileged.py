@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,16 +47,50 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user for the test")
-@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
-@pytest.mark.skipif(not _userns_allowed(), reason="unprivileged user namespaces are disabled on this host")
-def test_a_normal_user_gets_isolated_guests(shared_cache: Path) -> None:
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another user for the test"),
+    pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv"),
+    pytest.mark.skipif(not _userns_allowed(), reason="unprivileged user namespaces are disabled on this host"),
+]
+
+
+@contextlib.contextmanager
+def nobody_home() -> Iterator[Path]:
+    """A home dir of user nobody's (state, cache and tmp inside), removed afterwards; write the
+    test files into it, then :func:`run_as_nobody`."""
     why = _nobody_cannot_import()
     if why:
         pytest.skip(f"user nobody cannot import this interpreter's pytest and plugin: {why}")
     home = Path(tempfile.mkdtemp(prefix="smolvm-nobody-"))
     try:
         home.chmod(0o755)
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def run_as_nobody(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest with the namespace backend as user nobody in ``home``; the run must leave nothing."""
+    for sub in ("state", "cache", "tmp"):
+        (home / sub).mkdir(exist_ok=True)
+    os.chown(home, NOBODY, NOBODY)
+    for path in home.rglob("*"):
+        os.chown(path, NOBODY, NOBODY)
+    env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
+           "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
+           "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
+    result = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
+         "-p", "no:cacheprovider", "--smol-backend=namespace", *args],
+        cwd=home, env=env, capture_output=True, text=True, timeout=300)
+    assert "guests run in a user namespace (unprivileged)" in result.stdout, result.stdout + result.stderr
+    assert_host_clean(home / "state")
+    return result
+
+
+@pytest.mark.usefixtures("shared_cache")
+def test_a_normal_user_gets_isolated_guests() -> None:
+    with nobody_home() as home:
         (home / "test_user.py").write_text('''
 import pytest
 
@@ -90,21 +126,33 @@ def test_branch(smol_vm):
     child.write_file("/etc/apk/mine", "child")
     assert smol_vm.read_file("/etc/apk/mine") == b"x\\n"
 ''')
-        for sub in ("state", "cache", "tmp"):
-            (home / sub).mkdir()
-        os.chown(home, NOBODY, NOBODY)
-        for path in home.rglob("*"):
-            os.chown(path, NOBODY, NOBODY)
-        env = {**_base_env(), "HOME": str(home), "PYTEST_SMOLVM_STATE_DIR": str(home / "state"),
-               "PYTEST_SMOLVM_CACHE_DIR": str(home / "cache"), "TMPDIR": str(home / "tmp"),
-               "XDG_CACHE_HOME": str(home / "cache"), "XDG_DATA_HOME": str(home / "cache")}
-        result = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "pytest",
-             "-p", "no:cacheprovider", "--smol-backend=namespace", "-n", "2", str(home / "test_user.py")],
-            cwd=home, env=env, capture_output=True, text=True, timeout=300)
+        result = run_as_nobody(home, "-n", "2", str(home / "test_user.py"))
         assert result.returncode == 0, result.stdout + result.stderr
         assert "5 passed" in result.stdout
-        assert "guests run in a user namespace (unprivileged)" in result.stdout
-        assert_host_clean(home / "state")
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.usefixtures("shared_cache")
+def test_a_memory_limit_the_host_cannot_enforce_is_refused_not_ignored() -> None:
+    """A normal user's process seldom has a memory cgroup to give: a guest whose test named
+    ``memory_mb`` then ran with no memory bound at all (rlimits cover processes and file size,
+    not memory). Now it does not start: one line naming ``memory_mb`` and why; a guest that named
+    none runs as before (the run's header says the limits are not applied)."""
+    with nobody_home() as home:
+        (home / "test_memory.py").write_text('''
+import pytest
+
+@pytest.mark.smol(memory_mb=64)
+def test_named(smol_vm):
+    smol_vm.exec("true", check=True)
+
+def test_default(smol_vm):
+    smol_vm.exec("true", check=True)
+''')
+        result = run_as_nobody(home, "-p", "no:randomly", str(home / "test_memory.py"))
+        out = result.stdout + result.stderr
+        if "limits: not applied" not in out:
+            assert "2 passed" in out, out  # this host gives nobody a delegated cgroup: enforced
+            return
+        assert "1 passed, 1 error" in out, out
+        assert "memory_mb=64 cannot be enforced for this guest: no memory cgroup here" in out, out
+        assert "INTERNALERROR" not in out, out

@@ -69,9 +69,14 @@ class NamespaceBackend:
         """Header lines: what this host lets a namespace guest have."""
         mode = "as root (capabilities bounded)" if os.geteuid() == 0 else "in a user namespace (unprivileged)"
         disk = _nsdisk.unavailable(os.geteuid() != 0, _nsdisk.images_dir())
-        disks = ("an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), "
-                 "else a tmpfs" if disk is None else f"a tmpfs each, charged to memory_mb as well ({disk})")
-        return [f"limits: {cgroups.detect().summary}", f"guests run {mode}", f"disks: {disks}"]
+        limits = cgroups.detect()
+        if "memory" not in limits.parents:  # a test that names memory_mb is refused (create)
+            disks = "a tmpfs each, bounded by disk_mb; no memory limit here, so a test naming memory_mb errors"
+        elif disk is None:
+            disks = "an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), else a tmpfs"
+        else:
+            disks = f"a tmpfs each, charged to memory_mb as well ({disk})"
+        return [f"limits: {limits.summary}", f"guests run {mode}", f"disks: {disks}"]
 
     @classmethod
     def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
@@ -120,6 +125,12 @@ class NamespaceBackend:
 
     def create(self, spec: VMSpec, *, layers: Sequence[Path] = ()) -> NamespaceGuest:
         """A guest of ``spec``; ``layers`` (a branch's copy of its parent's upper) go above the baseline."""
+        if spec.memory_mb is not None and not spec.memory_default and "memory" not in self.limits.parents:
+            # the test asked for a bound no rlimit can stand in for: refused, never run unbounded
+            why = self.limits.reason or "the memory controller is not among the cgroups this process may use"
+            raise ProvisionError(f"namespace guest {spec.name}: memory_mb={spec.memory_mb} cannot be enforced for "
+                                 f"this guest: no memory cgroup here ({why}); run as root, give this process a "
+                                 "delegated cgroup v2 with the memory controller, or leave memory_mb unset")
         allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
         networked = bool(spec.network or allowed is not None)
         if networked:
