@@ -19,7 +19,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -157,8 +156,7 @@ class SmolBackend:
                                                    lambda extra: delete_machine(extra, extra.name, self.target),
                                                    lambda names: delete_named(names, self.target)))
         except SmolError as exc:
-            with contextlib.suppress(Exception):
-                delete_named([spec.name], self.target)  # answered but never ready: it exists
+            delete_named([spec.name], self.target)  # answered but never ready: it exists
             raise provision_error(f"smol: could not branch {spec.name} from {source.name}", exc) from exc
         guest = SmolGuest(child, name=spec.name, target=self.target, source=source.name, env=spec.env,
                           on_release=self._release, branchable=spec.branchable)
@@ -239,7 +237,7 @@ class SmolBackend:
         return reap_unrecorded()
 
     def derive_baseline(self, baseline: Baseline, key: str, populate: Callable[[Guest], None],
-                        scratch_guest: Callable[[Baseline], AbstractContextManager[Guest]]) -> Baseline:
+                        scratch_guest: Callable[[Baseline], contextlib.AbstractContextManager[Guest]]) -> Baseline:
         """The warm baseline of a microVM is its source machine: setup runs there, branches inherit it."""
         derived = dataclasses.replace(baseline, reference=f"{baseline.reference}{DERIVED}",
                                       digest=f"sha256:{key}")

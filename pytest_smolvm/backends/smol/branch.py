@@ -53,8 +53,7 @@ def branch(backend: Any, parent: Guest, specs: Sequence[VMSpec]) -> list[SmolGue
                     delete_machine(extra, str(getattr(extra, "name", "")), target)
             raise GuestError(f"vm.branch_batch of {parent.name}: the engine made other machines than asked")
     except SmolError as exc:
-        with contextlib.suppress(Exception):
-            delete_named(names, target)  # an answer lost on the way back: what exists of them goes
+        delete_named(names, target)  # an answer lost on the way back: what exists of them goes
         raise provision_error(f"smol: could not branch {parent.name}", exc) from exc
     by_name = {str(getattr(m, "name", "")): m for m in made}
 
