@@ -104,6 +104,7 @@ def test_doctor_agrees_with_a_real_boot(tmp_path: Path, isolated_cache: Path) ->
         assert "no microVM boots on this host" in output
         assert "what to do" in output or "reason:" in output
         assert "would use namespace" in output
+        assert "namespace limits: " in output and "namespace disks: " in output  # what a guest gets here
         if "did not finish within" in output:
             # The doctor gave up before the engine said why (its limit is shorter than the oracle's,
             # and a loaded host stretches both): the engine's last words must still reach the user.

@@ -244,6 +244,9 @@ def _check_selection(report: Report, boot_result: probe_mod.BootReport) -> bool:
                 f"would use {selection.name}, because no microVM boots here. Namespace guests share "
                 "the host kernel: clean state for every test, but no security boundary against "
                 "hostile guest code.")
+    for line in getattr(backend_class(selection.name), "describe_host", list)():  # limits, mode, disks
+        what, _, detail = line.partition(": ")
+        report.line("info", f"{selection.name} {what}", detail)
     return True
 
 
