@@ -132,27 +132,37 @@ def test_branch(smol_vm):
 
 
 @pytest.mark.usefixtures("shared_cache")
-def test_a_memory_limit_the_host_cannot_enforce_is_refused_not_ignored() -> None:
-    """A normal user's process seldom has a memory cgroup to give: a guest whose test named
-    ``memory_mb`` then ran with no memory bound at all (rlimits cover processes and file size,
-    not memory). Now it does not start: one line naming ``memory_mb`` and why; a guest that named
-    none runs as before (the run's header says there is no memory limit)."""
+def test_a_limit_the_host_cannot_enforce_is_refused_not_ignored() -> None:
+    """A normal user's process seldom has a cgroup to give: a guest whose test named
+    ``memory_mb`` or ``cpus`` then ran with no such bound at all (rlimits cover processes and
+    file size, not memory or CPU time). Now it does not start: one line naming the limit and
+    why; a guest that named none runs as before (the run's header says limits are not applied)."""
     with nobody_home() as home:
-        (home / "test_memory.py").write_text('''
+        (home / "test_limits.py").write_text('''
 import pytest
 
 @pytest.mark.smol(memory_mb=64)
-def test_named(smol_vm):
+def test_memory(smol_vm):
+    smol_vm.exec("true", check=True)
+
+@pytest.mark.smol(cpus=1.5)
+def test_cpus(smol_vm):
     smol_vm.exec("true", check=True)
 
 def test_default(smol_vm):
     smol_vm.exec("true", check=True)
 ''')
-        result = run_as_nobody(home, "-p", "no:randomly", str(home / "test_memory.py"))
+        result = run_as_nobody(home, "-p", "no:randomly", "-rE", str(home / "test_limits.py"))
         out = result.stdout + result.stderr
-        if "no memory limit here" not in out:  # the run's disks line
-            assert "2 passed" in out, out  # this host gives nobody a delegated memory cgroup: enforced
-            return
-        assert "1 passed, 1 error" in out, out
-        assert "memory_mb=64 cannot be enforced for this guest: no memory cgroup here" in out, out
         assert "INTERNALERROR" not in out, out
+        header = next(line for line in out.splitlines() if line.startswith("smolvm: limits: "))
+        # "cgroup v2: cpu, memory, pids" or "not applied (...)", then what a test may not name here
+        applied = header.removeprefix("smolvm: limits: ").partition(";")[0]
+        delegated = applied.split(": ", 1)[1].split(", ") if applied.startswith("cgroup ") else []
+        refused = {"memory": "memory_mb=64", "cpu": "cpus=1.5"}
+        for controller, asked in refused.items():
+            message = f"{asked} cannot be enforced for this guest: no {controller} cgroup here"
+            assert (message in out) == (controller not in delegated), (controller, header, out)
+            assert (asked.partition("=")[0] in header.partition(";")[2]) == (controller not in delegated), header
+        errors = sum(controller not in delegated for controller in refused)
+        assert f"{3 - errors} passed" in out and (f"{errors} error" in out) == bool(errors), out

@@ -48,7 +48,9 @@ class VMSpec:
     baseline: Baseline
     cpus: float | None = None
     memory_mb: int | None = None
-    memory_default: bool = False  # memory_mb is the run's default, not the test's (namespace: the disk follows)
+    # The limits ("cpus", "memory_mb") that are the run's defaults, not the test's: a backend that
+    # cannot enforce a limit refuses a guest whose test named it (namespace: its disk follows memory_mb).
+    defaulted: tuple[str, ...] = ()
     disk_mb: int = field(default_factory=lambda: limits.LIMITS.disk_mb)
     network: bool = False
     allow_hosts: tuple[str, ...] = ()
@@ -76,7 +78,8 @@ def spec_from_json(raw: Mapping[str, Any]) -> VMSpec:
 
     base = dict(raw["baseline"])
     base["path"] = Path(base["path"]) if base.get("path") else None
-    return VMSpec(**{**raw, "baseline": Baseline(**base), "allow_hosts": tuple(raw.get("allow_hosts") or ())})
+    return VMSpec(**{**raw, "baseline": Baseline(**base), "allow_hosts": tuple(raw.get("allow_hosts") or ()),
+                     "defaulted": tuple(raw.get("defaulted") or ())})
 
 
 @dataclass(frozen=True)

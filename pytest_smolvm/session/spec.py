@@ -19,6 +19,8 @@ from pytest_smolvm.backends.base import VMSpec
 from pytest_smolvm.baselines.baseline import Baseline
 from pytest_smolvm.session.settings import MarkerSpec, Settings
 
+NAMED_LIMITS = ("cpus", "memory_mb")  # a test may name them; VMSpec.defaulted lists those it did not
+
 
 def resolve(settings: Settings, marker: MarkerSpec, *, name: str, baseline: Baseline,
             labels: Mapping[str, str]) -> VMSpec:
@@ -29,7 +31,7 @@ def resolve(settings: Settings, marker: MarkerSpec, *, name: str, baseline: Base
         name=name, baseline=baseline,
         cpus=marker.cpus if marker.cpus is not None else (None if relaxed else defaults.cpus),
         memory_mb=marker.memory_mb if marker.memory_mb is not None else (None if relaxed else defaults.memory_mb),
-        memory_default=marker.memory_mb is None, disk_mb=defaults.disk_mb,
+        defaulted=tuple(key for key in NAMED_LIMITS if getattr(marker, key) is None), disk_mb=defaults.disk_mb,
         network=marker.network, allow_hosts=tuple(marker.allow_hosts), env=dict(marker.env),
         labels=dict(labels), relax=tuple(marker.relax), branchable=marker.branchable,
         user=marker.user if marker.user is not None else settings.user,

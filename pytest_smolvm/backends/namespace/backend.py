@@ -37,6 +37,10 @@ from pytest_smolvm.baselines.cache import prepare_derived, unpack
 from pytest_smolvm.errors import GuestError, ProvisionError, UsageError
 from pytest_smolvm.host.paths import runtime_dir
 
+# A limit a test may name, and the cgroup controller without which no rlimit stands in for it:
+# a guest that names one this process has no controller for does not start (create).
+UNENFORCEABLE = {"memory_mb": "memory", "cpus": "cpu"}
+
 
 class NamespaceBackend:
     name: ClassVar[str] = "namespace"
@@ -70,13 +74,15 @@ class NamespaceBackend:
         mode = "as root (capabilities bounded)" if os.geteuid() == 0 else "in a user namespace (unprivileged)"
         disk = _nsdisk.unavailable(os.geteuid() != 0, _nsdisk.images_dir())
         limits = cgroups.detect()
-        if "memory" not in limits.parents:  # a test that names memory_mb is refused (create)
-            disks = "a tmpfs each, bounded by disk_mb; no memory limit here, so a test naming memory_mb errors"
+        refused = [key for key, controller in UNENFORCEABLE.items() if controller not in limits.parents]
+        applied = limits.summary + (f"; a test naming {' or '.join(refused)} errors here" if refused else "")
+        if "memory" not in limits.parents:
+            disks = "a tmpfs each, bounded by disk_mb; no memory limit here"
         elif disk is None:
             disks = "an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), else a tmpfs"
         else:
             disks = f"a tmpfs each, charged to memory_mb as well ({disk})"
-        return [f"limits: {limits.summary}", f"guests run {mode}", f"disks: {disks}"]
+        return [f"limits: {applied}", f"guests run {mode}", f"disks: {disks}"]
 
     @classmethod
     def check_baseline(cls, baseline: Baseline, *, option: str = "--smol-baseline") -> None:
@@ -125,12 +131,7 @@ class NamespaceBackend:
 
     def create(self, spec: VMSpec, *, layers: Sequence[Path] = ()) -> NamespaceGuest:
         """A guest of ``spec``; ``layers`` (a branch's copy of its parent's upper) go above the baseline."""
-        if spec.memory_mb is not None and not spec.memory_default and "memory" not in self.limits.parents:
-            # the test asked for a bound no rlimit can stand in for: refused, never run unbounded
-            why = self.limits.reason or "the memory controller is not among the cgroups this process may use"
-            raise ProvisionError(f"namespace guest {spec.name}: memory_mb={spec.memory_mb} cannot be enforced for "
-                                 f"this guest: no memory cgroup here ({why}); run as root, give this process a "
-                                 "delegated cgroup v2 with the memory controller, or leave memory_mb unset")
+        self._refuse_unenforceable(spec)
         allowed = _nsnet.allowed_networks(spec.allow_hosts) if spec.allow_hosts else None
         networked = bool(spec.network or allowed is not None)
         if networked:
@@ -142,7 +143,7 @@ class NamespaceBackend:
         relax = set(spec.relax)
         bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         images, why_not = self._disks
-        disk = _nsdisk.kind(spec.memory_mb is not None and not spec.memory_default, why_not)
+        disk = _nsdisk.kind(spec.memory_mb is not None and "memory_mb" not in spec.defaulted, why_not)
         cgroup_dirs: list[str] = []
         try:
             disk_request = _nsdisk.request(spec.disk_mb, images) if disk == "ext4" else None
@@ -192,6 +193,24 @@ class NamespaceBackend:
             guest.destroy()
             raise
         return guest
+
+    def _refuse_unenforceable(self, spec: VMSpec) -> None:
+        """A limit the test named that this process has no cgroup controller for (a normal user
+        without delegation): no rlimit stands in for memory or a CPU quota, so such a guest does
+        not start rather than run unbounded. A default limit that cannot apply is let go (the
+        run's header says "limits: not applied")."""
+        unenforced = {key: (getattr(spec, key), controller) for key, controller in UNENFORCEABLE.items()
+                      if getattr(spec, key) is not None and key not in spec.defaulted
+                      and controller not in self.limits.parents}
+        if not unenforced:
+            return
+        asked = " and ".join(f"{key}={value if isinstance(value, int) else format(value, 'g')}"
+                             for key, (value, _) in unenforced.items())
+        controllers = "/".join(controller for _, controller in unenforced.values())
+        why = self.limits.reason or f"the {controllers} controller is not among the cgroups this process may use"
+        raise ProvisionError(f"namespace guest {spec.name}: {asked} cannot be enforced for this guest: no "
+                             f"{controllers} cgroup here ({why}); run as root, give this process a delegated "
+                             f"cgroup v2 with the {controllers} controller, or leave {' and '.join(unenforced)} unset")
 
     def branch(self, parent: Guest, specs: Sequence[VMSpec]) -> list[Guest]:
         """Children with ``parent``'s files as they are now (see branch.py); all or none."""
