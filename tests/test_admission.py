@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import os
 import subprocess
 import sys
 import threading
@@ -92,13 +94,13 @@ def test_the_summary_reports_the_peak_held(pytester: pytest.Pytester, smol_state
 def count_lock_tries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the admission module's flock calls from now on."""
     calls = [0]
-    real_flock = admission.fcntl.flock
+    real_flock = fcntl.flock
 
     def counting(fd: int, operation: int) -> None:
         calls[0] += 1
         real_flock(fd, operation)
 
-    monkeypatch.setattr(admission.fcntl, "flock", counting)
+    monkeypatch.setattr(fcntl, "flock", counting)
     return calls
 
 
@@ -174,7 +176,7 @@ def test_a_slot_file_that_cannot_be_opened_is_a_provision_error(smol_state: Path
         raise OSError(errno.EMFILE, "Too many open files")
 
     gate = admission.Gate("test-emfile", 2)
-    monkeypatch.setattr(admission.os, "open", full)
+    monkeypatch.setattr(os, "open", full)
     with pytest.raises(ProvisionError, match=r"^admission: cannot open \S+test-emfile-0.lock \(Too many open files, "
                                              r"0 test-emfile slots held by this process\): raise the open-file limit"):
         gate.acquire()
