@@ -108,6 +108,8 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("timeout=-1", "timeout"),
     ("timeout=0", "timeout"),
     ("memory_mb=1.5", "memory_mb"),
+    ("memory_mb=2", "memory_mb=2): expected at least 16"),
+    ("cpus=0.001", "cpus=0.001): expected at least 0.01"),
     ("network='yes'", "network"),
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),

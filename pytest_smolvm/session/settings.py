@@ -28,6 +28,12 @@ SIZE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 # Parts of a namespace guest's confinement a marker may turn off (docs/security.md):
 # "seccomp": no syscall filter; "limits": no default memory/CPU limits (the pids limit stays).
 RELAX_CHOICES = ("seccomp", "limits")
+# The smallest limits a test may name, the same on every backend. CPUs: the kernel's smallest CPU
+# quota is 1 ms a period, and a namespace guest's period is 100 ms (a smaller cpus was EINVAL
+# from the cgroup, reported as a bare OSError). Memory: a guest's own setup needs a few MiB (a
+# namespace guest's setup was OOM-killed at 2 MiB, reported as "died without a word").
+MIN_CPUS = 0.01
+MIN_MEMORY_MB = 16
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
@@ -288,10 +294,15 @@ class MarkerSpec:
                 changes[key] = value
             elif key == "cpus":
                 changes[key] = _positive_number(f"{where}(cpus)", value)
+                if changes[key] < MIN_CPUS:
+                    raise UsageError(f"{where}(cpus={value!r}): expected at least {MIN_CPUS} (the smallest CPU quota)")
             elif key == "memory_mb":
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise UsageError(f"{where}(memory_mb={value!r}): expected a positive integer")
                 changes[key] = _positive_int(f"{where}(memory_mb)", value)
+                if value < MIN_MEMORY_MB:
+                    raise UsageError(f"{where}(memory_mb={value!r}): expected at least {MIN_MEMORY_MB} (MiB: a guest's "
+                                     "own setup needs a few)")
             elif key == "timeout":
                 changes[key] = guest_timeout(f"{where}(timeout)", value, UsageError)
             elif key == "user":
