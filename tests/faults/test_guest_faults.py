@@ -16,6 +16,7 @@ from pytest_smolvm.backends.base import VMSpec
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 from pytest_smolvm.backends.namespace.cgroups import state_tag
 from pytest_smolvm.baselines.baseline import resolve
+from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.handle.vm import VM
 
 NS = ["-p", "no:cacheprovider", "--smol-backend=namespace"]
@@ -100,6 +101,19 @@ def test_the_kernel_oom_kills_a_guest_over_its_memory(smol_state: Path) -> None:
     finally:
         for made in guests:
             made.destroy()
+        backend.close()
+
+
+def test_a_guest_killed_for_memory_while_it_is_set_up_says_so(smol_state: Path) -> None:
+    # Backend-level, under the marker's floor (MIN_MEMORY_MB): its setup runs in the guest's
+    # cgroup and is OOM-killed there, which was reported as "guest setup died without a word".
+    backend = NamespaceBackend()
+    if "memory" not in backend.limits.parents:
+        pytest.skip(f"no memory cgroup here: {backend.limits.summary}")
+    try:
+        with pytest.raises(ProvisionError, match=r"killed for memory while it was set up: memory_mb=1 is too small"):
+            backend.create(VMSpec(name="oom-setup", baseline=resolve(None, Path.cwd()), memory_mb=1))
+    finally:
         backend.close()
 
 

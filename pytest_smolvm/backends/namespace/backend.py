@@ -160,7 +160,10 @@ class NamespaceBackend:
                 "rlimits": self._rlimits(spec, relax),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
-                raise ProvisionError(f"namespace guest {spec.name}: {reply['error']}")
+                killed = cgroups.oom_kills(cgroup_dirs)  # its setup runs in the guest's cgroup
+                raise ProvisionError(f"namespace guest {spec.name}: {reply['error']}" + (
+                    f" (killed for memory while it was set up: memory_mb={spec.memory_mb} is too small)"
+                    if killed else ""))
         except BaseException:
             for path in cgroup_dirs:
                 cgroups.remove(path)
