@@ -113,6 +113,7 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("network='yes'", "network"),
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),
+    ("allow_hosts=['10.0.0.0/33']", "allow_hosts=...): '10.0.0.0/33' does not appear to be"),
     ("user=''", "user"),
     ("user=True", "user"),
     ("output_limit=-5", "output_limit"),

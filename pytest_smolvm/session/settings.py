@@ -7,6 +7,7 @@ default limits, once per guest, into the spec its backend gets.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -316,6 +317,12 @@ class MarkerSpec:
             elif key == "allow_hosts":
                 if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
                     raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
+                for entry in value:
+                    if "/" in entry:  # a network, never a name: checked here rather than looked up in DNS
+                        try:
+                            ipaddress.ip_network(entry, strict=False)
+                        except ValueError as exc:
+                            raise UsageError(f"{where}(allow_hosts=...): {exc}") from None
                 changes[key] = tuple(value)
             elif key == "relax":
                 if isinstance(value, str) or not all(isinstance(p, str) for p in value):
