@@ -27,7 +27,8 @@ class MarkerError(UsageError):
 
 
 class ClosedError(UsageError):
-    """A guest asked of a Session (or a pool) that is closed or closing: nothing was made."""
+    """A guest asked of a Session (or a pool) that is closed or closing: nothing was made; or a
+    call on a handle whose guest its owner has destroyed."""
 
 
 class ProvisionError(SmolVMError):

@@ -35,6 +35,28 @@ def test_each_test_gets_a_fresh_guest(pytester: pytest.Pytester, smol_state: Pat
     pytester.runpytest_subprocess("-p", "no:randomly").assert_outcomes(passed=5)
 
 
+def test_a_handle_kept_past_its_test_takes_no_more_calls(pytester: pytest.Pytester, smol_state: Path) -> None:
+    """A guest handed to its teardown (in the background, off the test's path) is not reachable
+    through a handle a test kept: the call is refused, never sent to a guest being destroyed."""
+    pytester.makepyfile("""
+        import pytest
+        from pytest_smolvm.errors import ClosedError
+
+        kept = []
+
+        def test_keeps_it(smol_vm):
+            kept.append(smol_vm)
+
+        def test_uses_it_later():
+            with pytest.raises(ClosedError, match="is destroyed .*this handle takes no more calls"):
+                kept[0].exec("true")
+            with pytest.raises(ClosedError, match="^copy_in: guest"):
+                kept[0].copy_in(__file__, "/workspace/x")
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
 def test_files_and_processes_persist_within_a_guest(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         def test_persist(smol_vm):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm import MarkerError, Session, UsageError
+from pytest_smolvm.errors import ClosedError
 from pytest_smolvm.host.registry import records
 from pytest_smolvm.session.pool import READY_TEST_ID
 from tests.leaks import assert_host_clean, guest_processes
@@ -32,6 +33,11 @@ def test_a_session_makes_fresh_guests_and_destroys_them_all(smol_state: Path) ->
         session.destroy(a)
         with pytest.raises(UsageError, match=r"Session.destroy: smol-\S+ is not a live guest of this session"):
             session.destroy(a)
+        # closed means closed: the destroy runs in the background, but the handle refuses at once
+        for call in (lambda: a.exec("true"), lambda: a.read_file("/tmp/secret"), a.branch):
+            with pytest.raises(ClosedError, match=r"guest smol-\S+ is destroyed .*this handle takes no more calls"):
+                call()
+        assert "echo $ROLE" in a.transcript_text()  # what it did stays readable
     assert_host_clean(smol_state)  # b, left alive, went with the block
     assert list(records()) == []
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol, cast
 
 from pytest_smolvm import limits
-from pytest_smolvm.errors import GuestError, GuestFileNotFoundError, UsageError
+from pytest_smolvm.errors import ClosedError, GuestError, GuestFileNotFoundError, UsageError
 from pytest_smolvm.limits import guest_env, guest_timeout
 from pytest_smolvm.untrusted import confined, rules
 from pytest_smolvm.untrusted.walk import rmtree
@@ -75,6 +75,7 @@ class GuestHandle:
         self.digest = digest
         self.transcript: list[TranscriptEntry] = []
         self._brancher: Brancher | None = None  # set by the guest's owner (session/branching.py)
+        self._retired = False  # its owner handed the guest to its teardown (:meth:`retire`)
 
     @classmethod
     def for_spec(cls, guest: Guest, spec: VMSpec, *, backend: str, isolation: str) -> Self:
@@ -116,6 +117,7 @@ class GuestHandle:
                           stdin: str | bytes | None = None, user: str | int | None = None, check: bool = False,
                           on_output: OutputCallback | None = None, cancel: Cancel | None = None) -> ExecResult:
         """:meth:`exec`, plus a :class:`Cancel` that kills the command (the async twin's)."""
+        self._check_live("exec")
         if isinstance(cmd, str):
             argv, shown = ["/bin/sh", "-c", cmd], cmd
         elif isinstance(cmd, Sequence) and all(isinstance(a, (str, os.PathLike)) for a in cmd):
@@ -281,8 +283,20 @@ class GuestHandle:
     def _user(self) -> str | None:
         return None if self.user is None else str(self.user)
 
+    def retire(self) -> None:
+        """For the guest's owner (the pool), as it hands the guest to its teardown: every later
+        exec, file operation or branch through this handle is refused, not sent to a guest that
+        is being destroyed (closed means closed; logs and the transcript stay readable)."""
+        self._retired = True
+
+    def _check_live(self, what: str) -> None:
+        if self._retired:
+            raise ClosedError(f"{what}: guest {self.name} is destroyed (its test or session ended, or its owner "
+                              "destroyed it): this handle takes no more calls")
+
     def _guest_path(self, path: str, what: str) -> str:
         """``path`` as the guest sees it: a relative one is taken from :attr:`workdir`."""
+        self._check_live(what)
         if not isinstance(path, str) or not path:
             raise ValueError(f"{what}: guest path must be a non-empty string, got {path!r}")
         return path if path.startswith("/") else posixpath.join(self.workdir, path)
@@ -312,6 +326,7 @@ def batch_size(n: object) -> int:
 
 
 def brancher_of(handle: GuestHandle) -> Brancher:
+    handle._check_live("vm.branch")
     if handle._brancher is None:
         raise UsageError(f"vm.branch: guest {handle.name} has no owner that can branch it (a handle made "
                          "outside smol_vm, smol_vm_factory and Session)")

@@ -279,19 +279,22 @@ class GuestPool:
         branching.attach(self, live, spec)  # vm.branch(), once an owner takes it
         return live
 
-    def _claim(self, live: LiveGuest) -> bool:
-        """Take ``live`` out of :attr:`live` for its one teardown; False if another path has it."""
+    def _claim(self, live: LiveGuest, *, destroying: bool = True) -> bool:
+        """Take ``live`` out of :attr:`live` for its one teardown; False if another path has it.
+        A guest to be destroyed takes no more calls through its handle from here on (a kept one does)."""
         with self._life:
             if live.claimed:
                 return False
             live.claimed = True
+            if destroying:
+                live.vm.retire()
             self.live.pop(live.vm.name, None)
             return True
 
     def keep(self, live: LiveGuest) -> None:
         """Leave ``live`` running for ``pytest-smolvm shell``; if that fails, destroy it (in the
         background) and raise: a kept guest nobody can enter is a leak."""
-        if not self._claim(live):
+        if not self._claim(live, destroying=False):
             return
         note_egress(live)
         try:
@@ -300,6 +303,7 @@ class GuestPool:
             live.record.kept = True
             live.record.save()
         except BaseException:
+            live.vm.retire()
             self._teardown.submit(live)
             raise
         live.leave_admission()  # a kept guest no longer counts against the host's bound
