@@ -132,7 +132,7 @@ class GuestHandle:
         limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
         if limit is not None:  # checked before the command starts: nothing runs on a bad timeout
             limit = guest_timeout("exec: timeout", limit)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        data = None if stdin is None else _as_bytes(stdin, "exec: stdin")
         run_as = user if user is not None else self.user
         started = time.monotonic()
         try:
@@ -187,8 +187,9 @@ class GuestHandle:
         Guest refusals raise ``OSError`` subclasses (``PermissionError``, ...) naming the path.
         """
         path = self._guest_path(path, "write_file")
-        self._guest.write_file(path, data.encode() if isinstance(data, str) else bytes(data), mode,
-                               user=self._user())
+        if mode is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777):
+            raise ValueError(f"write_file: mode must be an int from 0 to 0o7777 (0o644, say), got {mode!r}")
+        self._guest.write_file(path, _as_bytes(data, "write_file: data"), mode, user=self._user())
 
     def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The bytes of guest file ``path``; a file over ``max_bytes`` (None: ``LIMITS.read_bytes``,
@@ -316,6 +317,16 @@ class GuestHandle:
         if not self.transcript:
             return "(no commands were run in this guest)"
         return "\n".join(entry.render() for entry in self.transcript)
+
+
+def _as_bytes(value: object, what: str) -> bytes:
+    """``value`` as bytes (text UTF-8 encoded); anything else, an int above all (``bytes(5)`` is
+    five NULs), is a one-line TypeError naming the argument."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{what} must be str or bytes, got {type(value).__name__}")
 
 
 def batch_size(n: object) -> int:

@@ -186,8 +186,21 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
     for env in ({"A": 1}, {1: "a"}, {"A=B": "x"}, {"": "x"}, {"A": "x\0y"}, ["A=1"]):
         with pytest.raises(ValueError, match=r"^exec: env"):
             vm.exec("true", env=env)  # type: ignore[arg-type]
+    # stdin=5 was an AttributeError from deep in the backend; write_file(path, 5) wrote five NUL
+    # bytes (bytes(5)); mode="644" came back as the guest's TypeError, and mode=0o17777 was taken.
+    for stdin in (5, ["x"]):
+        with pytest.raises(TypeError, match=r"^exec: stdin must be str or bytes, got "):
+            vm.exec("cat", stdin=stdin)  # type: ignore[arg-type]
+    for mode in ("644", 0o17777, -1, True):
+        with pytest.raises(ValueError, match=r"^write_file: mode must be an int from 0 to 0o7777"):
+            vm.write_file("/tmp/m", "x", mode=mode)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^write_file: data must be str or bytes, got int"):
+        vm.write_file("/tmp/m", 5)  # type: ignore[arg-type]
     asked = len(vm.transcript)
     assert vm.exec("echo $A", env={"A": "1"}).stdout == "1\n" and len(vm.transcript) == asked + 1
+    assert vm.exec("test -e /tmp/m").exit_code == 1  # none of the refused calls reached the guest
+    vm.write_file("/tmp/m", bytearray(b"ok"), mode=0o600)  # bytes-like data still goes
+    assert vm.exec("stat -c %a /tmp/m && cat /tmp/m").stdout == "600\nok"
 
 
 # --------------------------------------------------------------------------- caps and paths
