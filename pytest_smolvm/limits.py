@@ -104,6 +104,16 @@ def guest_timeout(label: str, value: object, error: type[Exception] = ValueError
     return float(value)
 
 
+def guest_user(label: str, value: object, error: type[Exception] = ValueError) -> str | int:
+    """A guest user as ``label`` was given it: a name (no ``:``, no surrounding blanks) or a uid.
+    Anything else raises ``error`` with one line naming ``label``, before the guest is asked."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.strip() and ":" not in value and value == value.strip() and "\0" not in value:
+        return value
+    raise error(f"{label}={value!r}: expected a user name or uid known in the guest")
+
+
 def guest_env(label: str, value: object, error: type[Exception] = ValueError) -> dict[str, str]:
     """Environment variables for the guest as ``label`` was given them: names and values that
     ``execve`` can carry (a name non-empty, without ``=``; neither with a NUL byte). Anything

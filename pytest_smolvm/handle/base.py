@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Protocol, cast
 
 from pytest_smolvm import limits
 from pytest_smolvm.errors import ClosedError, GuestError, GuestFileNotFoundError, UsageError
-from pytest_smolvm.limits import guest_env, guest_timeout
+from pytest_smolvm.limits import guest_env, guest_timeout, guest_user
 from pytest_smolvm.untrusted import confined, rules
 from pytest_smolvm.untrusted.walk import rmtree
 
@@ -128,12 +128,16 @@ class GuestHandle:
         else:
             raise TypeError(f"exec: cmd must be a string (run by /bin/sh -c) or a list of strings (an argv), "
                             f"got {cmd!r}")
+        if any("\0" in arg for arg in argv):
+            raise ValueError(f"exec: cmd holds a NUL byte, which no argv can carry: {shown!r}")
+        if on_output is not None and not callable(on_output):
+            raise TypeError(f"exec: on_output must be a callable (stream, chunk), got {on_output!r}")
         environment = guest_env("exec: env", env) if env is not None else {}
         limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
         if limit is not None:  # checked before the command starts: nothing runs on a bad timeout
             limit = guest_timeout("exec: timeout", limit)
         data = None if stdin is None else _as_bytes(stdin, "exec: stdin")
-        run_as = user if user is not None else self.user
+        run_as = guest_user("exec: user", user) if user is not None else self.user
         started = time.monotonic()
         try:
             raw = self._guest.exec(
@@ -204,6 +208,8 @@ class GuestHandle:
     def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
         """Copy a host file or tree to ``dest`` in the guest (modes kept, links copied as links)."""
         dest = self._guest_path(dest, "copy_in")
+        if not isinstance(src, (str, os.PathLike)):
+            raise TypeError(f"copy_in: src must be a host path (str or os.PathLike), got {src!r}")
         source = Path(src)
         if not source.exists() and not source.is_symlink():
             raise FileNotFoundError(f"copy_in: no such host file or directory: {source}")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from pytest_smolvm.errors import MarkerError, UsageError
-from pytest_smolvm.limits import guest_env, guest_timeout
+from pytest_smolvm.limits import guest_env, guest_timeout, guest_user
 
 BACKEND_CHOICES = ("auto", "smol", "namespace")
 TARGET_CHOICES = ("local", "cloud")
@@ -136,7 +136,7 @@ class Settings:
             changes["concurrency"] = _positive_int(name, value)
         name, value, _ = get("smol_user")
         if value is not None:
-            changes["user"] = _guest_user(name, value)
+            changes["user"] = guest_user(name, value, UsageError)
         name, value, _ = get("smol_output_limit")
         if value is not None:
             changes["output_limit"] = byte_size(name, value)
@@ -180,7 +180,7 @@ class Settings:
         if max_vms is not None:
             changes["max_vms"] = _positive_int(f"{where}(max_vms)", max_vms)
         if user is not None:
-            changes["user"] = _guest_user(f"{where}(user)", user)
+            changes["user"] = guest_user(f"{where}(user)", user, UsageError)
         if output_limit is not None:
             changes["output_limit"] = byte_size(f"{where}(output_limit)", output_limit)
         if baseline is not None:
@@ -217,14 +217,6 @@ def _positive_int(name: str, value: Any) -> int:
     if number <= 0 or isinstance(value, bool):
         raise UsageError(f"{name}={value}: expected a positive integer")
     return number
-
-
-def _guest_user(name: str, value: Any) -> str | int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str) and value.strip() and ":" not in value and value == value.strip():
-        return value
-    raise UsageError(f"{name}={value!r}: expected a user name or uid known in the guest")
 
 
 def byte_size(name: str, value: Any) -> int:
@@ -307,7 +299,7 @@ class MarkerSpec:
             elif key == "timeout":
                 changes[key] = guest_timeout(f"{where}(timeout)", value, UsageError)
             elif key == "user":
-                changes[key] = _guest_user(f"{where}(user)", value)
+                changes[key] = guest_user(f"{where}(user)", value, UsageError)
             elif key == "output_limit":
                 changes[key] = byte_size(f"{where}(output_limit)", value)
             elif key in ("network", "branchable"):

@@ -196,6 +196,18 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
             vm.write_file("/tmp/m", "x", mode=mode)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^write_file: data must be str or bytes, got int"):
         vm.write_file("/tmp/m", 5)  # type: ignore[arg-type]
+    # and a NUL in an argv was the guest's "bad request" GuestError, user=["root"] a user not in
+    # /etc/passwd, on_output=5 a TypeError from the output pump, copy_in(5, ...) Path's TypeError
+    for cmd in (["echo", "a\0b"], "echo a\0b"):
+        with pytest.raises(ValueError, match=r"^exec: cmd holds a NUL byte"):
+            vm.exec(cmd)
+    for user in (["root"], "root:root", -1, ""):
+        with pytest.raises(ValueError, match=r"^exec: user=.*: expected a user name or uid"):
+            vm.exec("true", user=user)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^exec: on_output must be a callable"):
+        vm.exec("echo hi", on_output=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^copy_in: src must be a host path"):
+        vm.copy_in(5, "/tmp/m")  # type: ignore[arg-type]
     asked = len(vm.transcript)
     assert vm.exec("echo $A", env={"A": "1"}).stdout == "1\n" and len(vm.transcript) == asked + 1
     assert vm.exec("test -e /tmp/m").exit_code == 1  # none of the refused calls reached the guest
