@@ -33,6 +33,11 @@ def test_a_session_makes_fresh_guests_and_destroys_them_all(smol_state: Path) ->
         session.destroy(a)
         with pytest.raises(UsageError, match=r"Session.destroy: smol-\S+ is not a live guest of this session"):
             session.destroy(a)
+        with pytest.raises(UsageError, match=r"^Session.destroy: expected a VM this session made, got 'a'$"):
+            session.destroy("a")  # type: ignore[arg-type]
+        for label in (5, "two\nlines"):
+            with pytest.raises(UsageError, match=r"^Session.create: label must be a one-line string"):
+                session.create(label)  # type: ignore[arg-type]
         # closed means closed: the destroy runs in the background, but the handle refuses at once
         for call in (lambda: a.exec("true"), lambda: a.read_file("/tmp/secret"), a.branch):
             with pytest.raises(ClosedError, match=r"guest smol-\S+ is destroyed .*this handle takes no more calls"):

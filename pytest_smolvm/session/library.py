@@ -89,6 +89,8 @@ class Session:
         closed = ClosedError("Session.create: the session is closed")
         if self._closed:
             raise closed
+        if not isinstance(label, str) or "\n" in label:
+            raise UsageError(f"Session.create: label must be a one-line string, got {label!r}")
         spec = MarkerSpec().merged(keywords, "Session.create")
         try:  # the pool waits, at close, for the creates in flight, and destroys what they made
             live = self._run.pool.create(f"library:{label}" if label else "library", spec, self._setup)
@@ -107,6 +109,8 @@ class Session:
 
     def destroy(self, vm: VM) -> None:
         """Destroy ``vm`` (in the background: this returns at once; :meth:`close` waits for it)."""
+        if not isinstance(vm, VM):
+            raise UsageError(f"Session.destroy: expected a VM this session made, got {vm!r}")
         with self._lock:
             live = self._live.pop(vm.name, None)
         if live is None:
