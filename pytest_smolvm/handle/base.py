@@ -208,9 +208,7 @@ class GuestHandle:
     def copy_in(self, src: str | os.PathLike[str], dest: str) -> None:
         """Copy a host file or tree to ``dest`` in the guest (modes kept, links copied as links)."""
         dest = self._guest_path(dest, "copy_in")
-        if not isinstance(src, (str, os.PathLike)):
-            raise TypeError(f"copy_in: src must be a host path (str or os.PathLike), got {src!r}")
-        source = Path(src)
+        source = _host_path(src, "copy_in: src")
         if not source.exists() and not source.is_symlink():
             raise FileNotFoundError(f"copy_in: no such host file or directory: {source}")
         parent, base = os.path.split(dest.rstrip("/") or "/")
@@ -245,6 +243,7 @@ class GuestHandle:
         (default 4 GiB) arrive within ``timeout`` seconds (default 900).
         """
         src = self._guest_path(src, "copy_out")
+        _host_path(dest, "copy_out: dest")
         defaults = rules.Caps()
         caps = rules.Caps(
             max_bytes=defaults.max_bytes if max_bytes is None else int(_positive_limit(max_bytes, "copy_out")),
@@ -323,6 +322,12 @@ class GuestHandle:
         if not self.transcript:
             return "(no commands were run in this guest)"
         return "\n".join(entry.render() for entry in self.transcript)
+
+
+def _host_path(value: object, what: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a host path (str or os.PathLike), got {value!r}")
+    return Path(value)
 
 
 def _as_bytes(value: object, what: str) -> bytes:

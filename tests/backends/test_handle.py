@@ -208,6 +208,8 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
         vm.exec("echo hi", on_output=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^copy_in: src must be a host path"):
         vm.copy_in(5, "/tmp/m")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^copy_out: dest must be a host path"):
+        vm.copy_out("/etc/hostname", 5)  # type: ignore[arg-type]
     asked = len(vm.transcript)
     assert vm.exec("echo $A", env={"A": "1"}).stdout == "1\n" and len(vm.transcript) == asked + 1
     assert vm.exec("test -e /tmp/m").exit_code == 1  # none of the refused calls reached the guest
