@@ -339,6 +339,28 @@ def test_ctrl_c_destroys_every_test_in_flight(pytester: pytest.Pytester, smol_st
     assert_host_clean(smol_state)
 
 
+def test_a_body_that_spends_its_timeout_is_timed_out_once(pytester: pytest.Pytester, smol_state: Path) -> None:
+    """The body runs under the item's pytest-timeout budget; its call phase only replays it. That
+    replay was timed again with what was left of the budget (nothing, after a timeout), so
+    pytest-timeout's own alarm fired a second time mid-replay: its dump went to the terminal and
+    the test's captured output was lost (the parity test's flake in nox's oldest cell)."""
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.timeout(2)
+        async def test_spends_it(smol_vm):
+            print("printed before " + "x" * 20_000_000)  # a replay long enough for a second alarm
+            await smol_vm.aio.exec("sleep 10")
+    """)
+    result = pytester.runpytest_subprocess("--smol-concurrency=2", "-p", "no:anyio", "-p", "no:randomly",
+                                           "--smol-backend=namespace")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    captured = out[out.index("Captured stdout call"):]
+    assert "printed before xxx" in captured and "~ Stack of " in captured, out[-3000:]
+    assert "~ Stack of " not in out[:out.index("Captured stdout call")], "a second dump, to the terminal"
+
+
 def test_bad_concurrency_is_one_line(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         import pytest

@@ -41,6 +41,7 @@ The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
 from __future__ import annotations
 
 import bdb
+import functools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -271,7 +272,9 @@ class ConcurrentRunner:
                 capture = flight.detached.capture if flight.detached else None
                 body, started, took = await run_body(item, capture, flight.timeout, flight.deadline, ABORT_SECONDS)
                 item.stash[REPLAY_KEY], item.stash[_TIMES_KEY] = body, (started, took)
-                self._phase(flight, "call")
+                # The body ran under the budget (run_body's own timer); its call phase only replays it,
+                # and timed again with what was left (nothing, after a timeout) it timed out twice
+                self._phase(flight, "call", timed=False)
             self._phase(flight, "teardown", nextitem=self._next_after(item))
             if self.run.used:
                 self.run.pool.ahead.pace.held(time.monotonic() - holding)
@@ -332,8 +335,10 @@ class ConcurrentRunner:
         else:
             await ready
 
-    def _phase(self, flight: _Flight, when: Literal["setup", "call", "teardown"], **kwds: Any) -> pytest.TestReport:
-        """One phase of ``flight``'s item, as pytest's runner makes it, in the item's own contexts."""
+    def _phase(self, flight: _Flight, when: Literal["setup", "call", "teardown"], *, timed: bool = True,
+               **kwds: Any) -> pytest.TestReport:
+        """One phase of ``flight``'s item, as pytest's runner makes it, in the item's own contexts
+        (``timed``: within what is left of the item's pytest-timeout budget)."""
         item = flight.item
         if flight.detached is not None:
             attach(item, flight.detached)
@@ -342,7 +347,8 @@ class ConcurrentRunner:
         self._in_phase = flight
         try:
             with internals.reporting_as(self._worker, self._index(item)), internals.item_warnings(item):
-                call = pytest.CallInfo.from_call(lambda: self._bounded(flight, lambda: hook(item=item, **kwds)),
+                phase = functools.partial(hook, item=item, **kwds)
+                call = pytest.CallInfo.from_call(lambda: self._bounded(flight, phase) if timed else phase(),
                                                  when=when, reraise=self._reraise)
                 report: pytest.TestReport = item.ihook.pytest_runtest_makereport(item=item, call=call)
                 item.ihook.pytest_runtest_logreport(report=report)
