@@ -138,10 +138,11 @@ class GuestHandle:
             limit = guest_timeout("exec: timeout", limit)
         data = None if stdin is None else _as_bytes(stdin, "exec: stdin")
         run_as = guest_user("exec: user", user) if user is not None else self.user
+        where = self._guest_path(workdir, "exec") if workdir else None
         started = time.monotonic()
         try:
             raw = self._guest.exec(
-                argv, env=environment, workdir=self._guest_path(workdir, "exec") if workdir else None,
+                argv, env=environment, workdir=where,
                 stdin=data, timeout=limit, output_limit=self.output_limit,
                 user=None if run_as is None else str(run_as), on_output=on_output, cancel=cancel)
         except Exception as exc:
@@ -305,6 +306,8 @@ class GuestHandle:
         self._check_live(what)
         if not isinstance(path, str) or not path:
             raise ValueError(f"{what}: guest path must be a non-empty string, got {path!r}")
+        if "\0" in path:  # else the guest's own error, reported as a GuestError as if it had failed
+            raise ValueError(f"{what}: guest path holds a NUL byte, which no path can carry: {path!r}")
         return path if path.startswith("/") else posixpath.join(self.workdir, path)
 
     # ------------------------------------------------------------------ logs

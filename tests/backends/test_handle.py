@@ -217,6 +217,18 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
     assert vm.exec("stat -c %a /tmp/m && cat /tmp/m").stdout == "600\nok"
 
 
+def test_a_guest_path_with_a_nul_byte_is_a_one_line_error_before_the_guest_is_asked(vm: VM, tmp_path: Path) -> None:
+    # It was the guest's own "embedded null byte", raised as a GuestError: the guest's fault.
+    for call, what in ((lambda: vm.read_file("/etc\0x"), "read_file"),
+                       (lambda: vm.write_file("/tmp/a\0b", "x"), "write_file"),
+                       (lambda: vm.copy_in(tmp_path, "/tmp/a\0b"), "copy_in"),
+                       (lambda: vm.copy_out("/etc\0x", tmp_path / "out"), "copy_out"),
+                       (lambda: vm.exec("true", workdir="/tmp\0x"), "exec")):
+        with pytest.raises(ValueError, match=rf"^{what}: guest path holds a NUL byte, which no path can carry"):
+            call()
+    assert vm.transcript == [] and vm.exec("ls /tmp").stdout == ""  # none of them reached the guest
+
+
 # --------------------------------------------------------------------------- caps and paths
 
 
