@@ -114,6 +114,9 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),
     ("allow_hosts=['10.0.0.0/33']", "allow_hosts=...): '10.0.0.0/33' does not appear to be"),
+    # each was looked up in DNS when the guest was made: "does not resolve", a provisioning error
+    ("allow_hosts=['example.com:443']", "allow_hosts=...): 'example.com:443' is not a host name, an IP address"),
+    ("allow_hosts=['exa\\0mple.com']", "allow_hosts=...): 'exa\\x00mple.com' is not a host name"),
     ("user=''", "user"),
     ("user=True", "user"),
     ("output_limit=-5", "output_limit"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +36,28 @@ RELAX_CHOICES = ("seccomp", "limits")
 # namespace guest's setup was OOM-killed at 2 MiB, reported as "died without a word").
 MIN_CPUS = 0.01
 MIN_MEMORY_MB = 16
+
+# A DNS name as a resolver takes it: dot-separated labels of 1-63 letters, digits, '-' or '_'
+# (not at a label's ends), 253 characters in all, an optional final dot.
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?\Z)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                        r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?\Z")
+
+
+def _allowed_host(where: str, entry: str) -> None:
+    """An ``allow_hosts`` entry is a network, an address or a host name: checked here, when the
+    marker is read, rather than found to be none of them by a DNS lookup when the guest is made."""
+    if "/" in entry:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError as exc:
+            raise UsageError(f"{where}(allow_hosts=...): {exc}") from None
+        return
+    try:
+        ipaddress.ip_address(entry)
+    except ValueError:
+        if not _HOST_NAME.match(entry):
+            raise UsageError(f"{where}(allow_hosts=...): {entry!r} is not a host name, an IP address or a CIDR "
+                             "network") from None
 
 # (option, ini key, help); defaults live in Settings so that "not given" stays visible.
 OPTIONS: tuple[tuple[str, str, str], ...] = (
@@ -310,11 +333,7 @@ class MarkerSpec:
                 if isinstance(value, str) or not all(isinstance(h, str) and h for h in value):
                     raise UsageError(f"{where}(allow_hosts={value!r}): expected a list of host names")
                 for entry in value:
-                    if "/" in entry:  # a network, never a name: checked here rather than looked up in DNS
-                        try:
-                            ipaddress.ip_network(entry, strict=False)
-                        except ValueError as exc:
-                            raise UsageError(f"{where}(allow_hosts=...): {exc}") from None
+                    _allowed_host(where, entry)
                 changes[key] = tuple(value)
             elif key == "relax":
                 if isinstance(value, str) or not all(isinstance(p, str) for p in value):
