@@ -276,7 +276,7 @@ def test_bad_reward_fails_the_test_with_a_clear_message(pytester: pytest.Pyteste
     pytester.makepyfile("""
         import pytest
 
-        @pytest.mark.parametrize("bad", ["'1.0'", "float('nan')", "float('inf')", "True", "None"])
+        @pytest.mark.parametrize("bad", ["'1.0'", "float('nan')", "float('inf')", "True", "None", "10**400"])
         def test_reward(smol_episode, bad):
             smol_episode.record(eval(bad))
 
@@ -288,13 +288,14 @@ def test_bad_reward_fails_the_test_with_a_clear_message(pytester: pytest.Pyteste
             smol_episode.record(0.25, b=2)
     """)
     result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-results=r.jsonl")
-    result.assert_outcomes(failed=6, passed=1)
+    result.assert_outcomes(failed=7, passed=1)
     result.stdout.fnmatch_lines([
         "*TypeError: smol_episode.record(reward='1.0'): expected a finite number, got str",
         "*ValueError: smol_episode.record(reward=nan): expected a finite number",
         "*ValueError: smol_episode.record(reward=inf): expected a finite number",
         "*TypeError: smol_episode.record(reward=True): expected a finite number, got bool",
         "*TypeError: smol_episode.record(reward=None): expected a finite number, got NoneType",
+        "*ValueError: smol_episode.record(reward=1000*000): expected a finite number",  # was float()'s OverflowError
         "*TypeError: smol_episode.record(**info): info must be JSON-serialisable*",
     ])
     last = [ln for ln in _lines(pytester.path / "r.jsonl") if ln["test"].endswith("test_last_call_wins")]

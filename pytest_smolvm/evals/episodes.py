@@ -85,7 +85,10 @@ class Episode:
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
             raise TypeError(f"smol_episode.record(reward={reward!r}): expected a finite number, "
                             f"got {type(reward).__name__}")
-        value = float(reward)
+        try:
+            value = float(reward)
+        except OverflowError:  # an int past float's range
+            value = math.inf
         if not math.isfinite(value):
             raise ValueError(f"smol_episode.record(reward={reward!r}): expected a finite number")
         try:
