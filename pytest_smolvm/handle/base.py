@@ -141,10 +141,9 @@ class GuestHandle:
         where = self._guest_path(workdir, "exec") if workdir else None
         started = time.monotonic()
         try:
-            raw = self._guest.exec(
-                argv, env=environment, workdir=where,
-                stdin=data, timeout=limit, output_limit=self.output_limit,
-                user=None if run_as is None else str(run_as), on_output=on_output, cancel=cancel)
+            raw = self._guest.exec(argv, env=environment, workdir=where, stdin=data, timeout=limit,
+                                   output_limit=self.output_limit, user=None if run_as is None else str(run_as),
+                                   on_output=on_output, cancel=cancel)
         except Exception as exc:
             self.transcript.append(TranscriptEntry(shown, None, time.monotonic() - started, error=str(exc)))
             raise
@@ -304,10 +303,8 @@ class GuestHandle:
     def _guest_path(self, path: str, what: str) -> str:
         """``path`` as the guest sees it: a relative one is taken from :attr:`workdir`."""
         self._check_live(what)
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"{what}: guest path must be a non-empty string, got {path!r}")
-        if "\0" in path:  # else the guest's own error, reported as a GuestError as if it had failed
-            raise ValueError(f"{what}: guest path holds a NUL byte, which no path can carry: {path!r}")
+        if not isinstance(path, str) or not path or "\0" in path:  # a NUL: else the guest's own error, as a GuestError
+            raise ValueError(f"{what}: guest path must be a non-empty string without a NUL byte, got {path!r}")
         return path if path.startswith("/") else posixpath.join(self.workdir, path)
 
     # ------------------------------------------------------------------ logs

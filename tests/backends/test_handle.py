@@ -198,9 +198,9 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
         vm.write_file("/tmp/m", 5)  # type: ignore[arg-type]
     # and a NUL in an argv was the guest's "bad request" GuestError, user=["root"] a user not in
     # /etc/passwd, on_output=5 a TypeError from the output pump, copy_in(5, ...) Path's TypeError
-    for cmd in (["echo", "a\0b"], "echo a\0b"):
+    for nul_cmd in (["echo", "a\0b"], "echo a\0b"):
         with pytest.raises(ValueError, match=r"^exec: cmd holds a NUL byte"):
-            vm.exec(cmd)
+            vm.exec(nul_cmd)
     for user in (["root"], "root:root", -1, ""):
         with pytest.raises(ValueError, match=r"^exec: user=.*: expected a user name or uid"):
             vm.exec("true", user=user)  # type: ignore[arg-type]
@@ -213,7 +213,7 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
     asked = len(vm.transcript)
     assert vm.exec("echo $A", env={"A": "1"}).stdout == "1\n" and len(vm.transcript) == asked + 1
     assert vm.exec("test -e /tmp/m").exit_code == 1  # none of the refused calls reached the guest
-    vm.write_file("/tmp/m", bytearray(b"ok"), mode=0o600)  # bytes-like data still goes
+    vm.write_file("/tmp/m", bytearray(b"ok"), mode=0o600)  # type: ignore[arg-type]  # bytes-like data still goes
     assert vm.exec("stat -c %a /tmp/m && cat /tmp/m").stdout == "600\nok"
 
 
@@ -224,7 +224,7 @@ def test_a_guest_path_with_a_nul_byte_is_a_one_line_error_before_the_guest_is_as
                        (lambda: vm.copy_in(tmp_path, "/tmp/a\0b"), "copy_in"),
                        (lambda: vm.copy_out("/etc\0x", tmp_path / "out"), "copy_out"),
                        (lambda: vm.exec("true", workdir="/tmp\0x"), "exec")):
-        with pytest.raises(ValueError, match=rf"^{what}: guest path holds a NUL byte, which no path can carry"):
+        with pytest.raises(ValueError, match=rf"^{what}: guest path must be a non-empty string without a NUL byte"):
             call()
     assert vm.transcript == [] and vm.exec("ls /tmp").stdout == ""  # none of them reached the guest
 
@@ -405,7 +405,8 @@ def test_aio_under_anyio_on_each_of_its_backends(vm: VM) -> None:
         started = time.monotonic()
         async with anyio.create_task_group() as group:
             for _ in range(3):
-                group.start_soon(vm.aio.exec, "sleep 1")
+                # exec is a coroutine function, typed as returning an Awaitable: anyio's asks a Coroutine
+                group.start_soon(vm.aio.exec, "sleep 1")  # type: ignore[arg-type]
         with anyio.move_on_after(0.5):
             await vm.aio.exec("echo $$ > /tmp/anyio-cancel; exec sleep 60")
         return time.monotonic() - started
