@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from pytest_smolvm import Session
 
@@ -59,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="namespace")
     args = parser.parse_args()
-    kwargs = {"branchable": True} if args.backend == "smol" else {}
+    kwargs: dict[str, Any] = {"branchable": True} if args.backend == "smol" else {}  # the smol marker's keywords
     with Session(backend=args.backend) as session:
         session._run.pool.ahead.pace.free = False  # every guest made when asked (benchmark only)
         made = []

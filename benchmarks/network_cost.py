@@ -40,8 +40,8 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _time_the_proxy() -> None:
     """The proxy's per-guest work, timed where it happens: ``serve`` and ``stop`` of its socket,
     and the one ``write_file`` create makes (the guest's /etc/resolv.conf)."""
-    dns.serve = _timed(dns.serve)  # type: ignore[method-assign]
-    dns.stop = _timed(dns.stop)  # type: ignore[method-assign]
+    dns.serve = _timed(dns.serve)
+    dns.stop = _timed(dns.stop)
     NamespaceGuest.write_file = _timed(NamespaceGuest.write_file)  # type: ignore[method-assign]
 
 

@@ -10,11 +10,13 @@ import time
 import pytest
 from agent_sandbox import OutputLimitExceededError, SmolSandbox
 
+from pytest_smolvm import VM
 
-def test_exec_files_and_errors(smol_vm):
+
+def test_exec_files_and_errors(smol_vm: VM) -> None:
     sandbox = SmolSandbox(smol_vm)
 
-    async def episode():
+    async def episode() -> None:
         await sandbox.write_file("/workspace/task.txt", "reverse me\n")
         result = await sandbox.exec(["sh", "-c", "rev task.txt"], cwd="/workspace")
         assert (result.success, result.stdout) == (True, "em esrever\n")
@@ -31,11 +33,11 @@ def test_exec_files_and_errors(smol_vm):
     asyncio.run(episode())
 
 
-def test_unprivileged_agent_user(smol_vm):
+def test_unprivileged_agent_user(smol_vm: VM) -> None:
     sandbox = SmolSandbox(smol_vm)
     smol_vm.exec("echo secret > /root/key && chmod 600 /root/key", check=True)
 
-    async def episode():
+    async def episode() -> None:
         denied = await sandbox.exec(["cat", "/root/key"], user="nobody")
         assert not denied.success and "Permission denied" in denied.stderr
         assert (await sandbox.exec(["id", "-un"], user="nobody")).stdout == "nobody\n"
@@ -43,10 +45,10 @@ def test_unprivileged_agent_user(smol_vm):
     asyncio.run(episode())
 
 
-def test_tool_calls_run_concurrently(smol_vm):
+def test_tool_calls_run_concurrently(smol_vm: VM) -> None:
     sandbox = SmolSandbox(smol_vm)
 
-    async def episode():
+    async def episode() -> float:
         started = time.monotonic()
         results = await asyncio.gather(*(sandbox.exec(["sh", "-c", f"sleep 1; echo {i}"]) for i in range(3)))
         assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"]
@@ -56,6 +58,7 @@ def test_tool_calls_run_concurrently(smol_vm):
 
 
 @pytest.mark.smol(output_limit="4k")
-def test_output_limit_is_an_error_the_agent_sees(smol_vm):
+@pytest.mark.filterwarnings("ignore:smolvm. exec .* cut at the output limit")  # the cut is this test's point
+def test_output_limit_is_an_error_the_agent_sees(smol_vm: VM) -> None:
     with pytest.raises(OutputLimitExceededError, match="stdout"):
         asyncio.run(SmolSandbox(smol_vm).exec(["head", "-c", "100000", "/dev/zero"]))

@@ -6,9 +6,12 @@ import asyncio
 
 import pytest
 
+from pytest_smolvm import VM
+from pytest_smolvm.evals.episodes import Episode
+
 
 @pytest.mark.smol_episodes(6, seed=7, concurrency=3)
-async def test_agent_episode(smol_vm, smol_episode):
+async def test_agent_episode(smol_vm: VM, smol_episode: Episode) -> None:
     vm = smol_vm.aio  # the async handle: awaiting it lets the worker run the other episodes
     await vm.write_file("/workspace/task.txt", f"seed {smol_episode.seed}\n")
     await asyncio.sleep(0.2)  # stands in for a model call: the guest waits, the worker does not

@@ -8,11 +8,14 @@ touch it (on smol, of a guest started branchable: ``branch_batch``'s members are
 
 import pytest
 
+from pytest_smolvm import VM
+from pytest_smolvm.evals.episodes import Episode
+
 GRADER = "test \"$(cat /task/answer 2>/dev/null)\" = \"$(cat /task/expected)\" && echo 1 || echo 0"
 
 
 @pytest.mark.smol(branchable=True)  # smol: start it branchable; namespace guests always are
-def test_group_rollout(smol_vm, smol_episode):
+def test_group_rollout(smol_vm: VM, smol_episode: Episode) -> None:
     # Prepare once: the task's files, as an expensive setup would leave them.
     smol_vm.exec("mkdir -p /task && printf 'a b c\\n' > /task/input && "
                  "wc -w < /task/input | tr -d ' ' > /task/expected", check=True)
@@ -33,7 +36,7 @@ def test_group_rollout(smol_vm, smol_episode):
 
 
 @pytest.mark.smol(branchable=True)
-def test_branch_of_a_branch(smol_vm):
+def test_branch_of_a_branch(smol_vm: VM) -> None:
     smol_vm.write_file("/task/step", "1")
     step_one = smol_vm.branch()
     step_one.write_file("/task/step", "2")

@@ -2,12 +2,14 @@
 
 import pytest
 
+from pytest_smolvm import VM
+
 MARKER = "/root/.cache/previous-episode"
 PIDFILE = "/tmp/previous-episode.pid"
 
 
 @pytest.mark.parametrize("episode", range(8))
-def test_episode_starts_clean(smol_vm, episode):
+def test_episode_starts_clean(smol_vm: VM, episode: int) -> None:
     # Nothing an earlier episode left behind is here: each guest forks from the baseline.
     assert smol_vm.exec(["test", "-e", MARKER]).exit_code == 1  # no leftover file
     assert smol_vm.exec(["test", "-e", PIDFILE]).exit_code == 1

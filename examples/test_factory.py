@@ -1,7 +1,11 @@
 """Several guests in one test: each has its own filesystem and processes; all destroyed at teardown."""
 
+from collections.abc import Callable
 
-def test_two_guests_cannot_see_each_others_files(smol_vm_factory):
+from pytest_smolvm import VM
+
+
+def test_two_guests_cannot_see_each_others_files(smol_vm_factory: Callable[..., VM]) -> None:
     alice = smol_vm_factory(env={"WHO": "alice"})  # the same keywords as @pytest.mark.smol
     bob = smol_vm_factory(env={"WHO": "bob"})
     assert alice.name != bob.name
@@ -14,7 +18,7 @@ def test_two_guests_cannot_see_each_others_files(smol_vm_factory):
     assert bob.read_file("/workspace/secret") == b"bob\n"
 
 
-def test_two_guests_have_separate_process_trees(smol_vm_factory):
+def test_two_guests_have_separate_process_trees(smol_vm_factory: Callable[..., VM]) -> None:
     server, client = smol_vm_factory(), smol_vm_factory()
     # A background process lives until its guest is destroyed...
     pid = server.exec("sleep 300 >/dev/null 2>&1 & echo $!", check=True).stdout.strip()

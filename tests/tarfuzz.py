@@ -24,7 +24,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hypothesis import strategies as st
 
@@ -52,7 +52,7 @@ POLICIES: dict[str, Callable[[], rules.Policy]] = {
 @dataclass
 class Case:
     members: list[dict[str, Any]]
-    fmt: int
+    fmt: Literal[0, 1, 2]  # tarfile.USTAR_FORMAT, GNU_FORMAT or PAX_FORMAT
     cut: int | None  # percent of the stream's bytes kept, if cut short
     flips: list[tuple[int, int, int]]  # (header index, offset in it, new byte)
     trailer: bool
@@ -101,15 +101,15 @@ def members(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     found = draw(st.lists(members(), min_size=1, max_size=8))
-    if found and draw(st.booleans()):
+    if found and bool(draw(st.booleans())):
         found.append(dict(draw(st.sampled_from(found))))  # a duplicate, maybe of a link
-    if found and draw(st.booleans()):
+    if found and bool(draw(st.booleans())):
         # Something else where a member's parent dir was: a dir (maybe deep) replaced, a link over it.
         shadowed = draw(st.sampled_from(found))["name"].rstrip("/")
         if "/" in shadowed:
             parent = shadowed[:draw(st.sampled_from([i for i, c in enumerate(shadowed) if c == "/"]))]
             found.append({**draw(members()), "name": parent})
-    fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]))
+    fmt: Literal[0, 1, 2] = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]))
     cut = draw(st.integers(0, 100)) if _one_in(draw, 6) else None  # percent of the stream kept
     flips = draw(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 511), st.integers(0, 255)), max_size=3)) \
         if _one_in(draw, 6) else []
@@ -138,7 +138,8 @@ def _header(name: str, typeflag: bytes, size: int, *, mode: int = 0o644, linknam
 def _octal(value: int, width: int) -> bytes:
     if 0 <= value < 8 ** (width - 1):
         return b"%0*o\0" % (width - 1, value)
-    return b"\x80" + (value % 256 ** (width - 1)).to_bytes(width - 1, "big")  # GNU base-256
+    modulus: int = 256 ** (width - 1)  # an int's power of an int: Any to the type checker
+    return b"\x80" + (value % modulus).to_bytes(width - 1, "big")  # GNU base-256
 
 
 def _sum(block: bytes) -> bytes:

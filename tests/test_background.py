@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -224,7 +225,11 @@ def test_destroys_that_queue_up_run_side_by_side_and_a_serial_run_keeps_one_thre
         return {t.ident for t in threading.enumerate() if t.name == "smolvm-teardown"}
 
     before = started_threads()
-    serial: Teardown[str] = Teardown(lambda item: made.append(item) and None, str)
+
+    def record(item: str) -> None:
+        made.append(item)
+
+    serial: Teardown[str] = Teardown(record, str)
     for i in range(5):  # each destroy is done before the next is handed off: one thread does all
         serial.submit(f"guest {i}")
         assert serial.drain(10) == []
@@ -300,7 +305,8 @@ def test_a_guest_made_ahead_and_killed_is_not_handed_out_while_it_dies(smol_stat
         first = pool.create("test_a", MarkerSpec())
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            ahead = {r.name: r.data.get("pid") for r in registry.records() if r.test_id == READY_TEST_ID}
+            ahead: dict[str, Any] = {r.name: r.data.get("pid")
+                                     for r in registry.records() if r.test_id == READY_TEST_ID}
             if len(ahead) == pool.ahead.pace.depth and all(isinstance(pid, int) for pid in ahead.values()):
                 break  # made, not just planned: a planned guest's record has no pid yet
             time.sleep(0.02)

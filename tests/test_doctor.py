@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -156,8 +157,9 @@ def test_doctor_fixes_start_from_the_state_dev_kvm_is_in(monkeypatch: pytest.Mon
                                                         says: list[str], never: list[str]) -> None:
     """A fix never repeats what the host already has (a kvm group, mode 0660)."""
     from pytest_smolvm.backends.smol import doctor
+    from pytest_smolvm.backends.smol.boot_failures import KvmFacts
 
-    facts = doctor.KvmFacts(True, mode, "root", group, True, "maybe" if caller_in_group else "no")
+    facts = KvmFacts(True, mode, "root", group, True, "maybe" if caller_in_group else "no")
     monkeypatch.setattr(doctor, "kvm_facts", lambda path="/dev/kvm": facts)
     denied = "[SMOLVM_ERROR] kvm: KvmOpen(Error(13)) Permission denied opening /dev/kvm"
     monkeypatch.setattr(probe, "boot", lambda limit: probe.BootReport(False, denied, 1.0))
@@ -186,19 +188,23 @@ def test_the_fallback_reason_is_the_same_whatever_the_engine_said(monkeypatch: p
 
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(boot_failures, "has_capability", lambda number, status=None: False)
-    from pytest_smolvm.backends.smol.doctor import KvmFacts
+    from pytest_smolvm.backends.smol.boot_failures import KvmFacts
 
     facts = KvmFacts(True, 0o660, "root", "kvm", True, "no")
     monkeypatch.setattr(boot_failures, "kvm_facts", lambda path="/dev/kvm": facts, raising=False)
     monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: "the kvm_pvm kernel module is loaded")
     monkeypatch.delenv("SMOLVM_VM_UID_DROP", raising=False)
-    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+
+    def refused(said: str) -> Callable[[], ProbeResult]:
+        return lambda: ProbeResult(False, said)
+
+    reasons = {select_backend("auto", "local", probe=refused(said)).reason
                for said in ENGINE_SAID}
     assert len(reasons) == 1, reasons
     assert reasons.pop().startswith("no microVM boots here: this is a PVM host, where no stock guest kernel boots; ")
     # Off a PVM host, the host's facts: still one answer whatever the engine said.
     monkeypatch.setattr(boot_failures, "pvm_evidence", lambda: None)
-    reasons = {select_backend("auto", "local", probe=lambda said=said: ProbeResult(False, said)).reason
+    reasons = {select_backend("auto", "local", probe=refused(said)).reason
                for said in ENGINE_SAID}
     assert len(reasons) == 1, reasons
     assert reasons.pop().startswith("no microVM boots here: the VMM lacks CAP_SYS_RESOURCE and may not open /dev/kvm; ")

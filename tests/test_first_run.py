@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
-import tomllib
+import tomllib  # type: ignore[import-not-found]  # 3.11+: mypy checks as python_version 3.10
 from packaging.requirements import Requirement
 
 from pytest_smolvm.backends.smol import probe

@@ -53,11 +53,12 @@ def assert_scored_in_the_guests(log: EvalLog) -> None:
 def test_an_inspect_eval_in_this_process_with_a_config_object(tmp_path: Path, smol_state: Path) -> None:
     sys.path.insert(0, str(TASK_DIR))
     try:
-        import squares
+        import squares  # type: ignore[import-not-found]  # tests/inspect_eval's task, on sys.path here only
     finally:
         sys.path.remove(str(TASK_DIR))
     config = SmolvmSandboxConfig(user="agent", setup=("adduser -D agent",))
-    task = task_with(squares.squares(), sandbox=("smolvm", config))
+    # the documented shorthand; inspect_ai types the tuple's config as a str (a file's name) only
+    task = task_with(squares.squares(), sandbox=("smolvm", config))  # type: ignore[arg-type]
     [log] = inspect_eval(task, log_dir=str(tmp_path / "logs"), display="none", max_samples=SAMPLES)
     assert_scored_in_the_guests(log)
 

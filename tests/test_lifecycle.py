@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,7 +141,7 @@ def test_failed_test_reports_the_guest_transcript(pytester: pytest.Pytester, smo
     ])
 
 
-def test_destroy_failure_warns_and_keeps_the_record(pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+def test_destroy_failure_warns_and_keeps_the_record(pytester: pytest.Pytester, smol_state: Path, cli: Any) -> None:
     # A real destroy failure: something the host put into the guest's scratch mount point.
     pytester.makepyfile(f"""
         import os
@@ -247,7 +248,7 @@ def test_a_killed_pytest_is_cleaned_up_after_by_its_helper(pytester: pytest.Pyte
 
 
 def test_killed_pytest_and_helper_leave_nothing_running_and_reap_clears_the_rest(
-        pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+        pytester: pytest.Pytester, smol_state: Path, cli: Any) -> None:
     pytester.makeconftest(KILL_HELPER_AND_SELF)
     pytester.makepyfile("""
         from conftest import kill_helper_and_self
@@ -392,7 +393,7 @@ def test_reap_leaves_guests_of_live_owners_alone(pytester: pytest.Pytester, smol
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
 
 
-def test_keep_failed_keeps_only_failed_guests(pytester: pytest.Pytester, smol_state: Path, cli) -> None:
+def test_keep_failed_keeps_only_failed_guests(pytester: pytest.Pytester, smol_state: Path, cli: Any) -> None:
     pytester.makepyfile("""
         def test_pass(smol_vm):
             pass
@@ -415,7 +416,7 @@ def test_keep_failed_keeps_only_failed_guests(pytester: pytest.Pytester, smol_st
 
 
 def test_a_guest_that_cannot_be_kept_does_not_strand_the_others(pytester: pytest.Pytester, smol_state: Path,
-                                                                cli) -> None:
+                                                                cli: Any) -> None:
     pytester.makepyfile(f"""
         import json, os, signal
         from pathlib import Path

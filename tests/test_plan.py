@@ -226,7 +226,11 @@ def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -
     live = pool.create("test_hang", MarkerSpec())
     release = threading.Event()
     real_destroy = live.guest.destroy
-    live.guest.destroy = lambda: release.wait(30)  # type: ignore[method-assign]
+
+    def hang() -> None:
+        release.wait(30)
+
+    live.guest.destroy = hang  # type: ignore[method-assign]
     pool.destroy_timeout = 0.5
     with pytest.warns(SmolVMWarning, match="did not finish within 0.5s"):
         assert pool.destroy(live) is False
@@ -240,7 +244,9 @@ def test_a_hanging_destroy_is_bounded_and_left_to_the_reaper(smol_state: Path) -
 
 def test_probe_answers_hold_while_their_key_does_and_sdk_set_variables_do_not_change_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pytest_smolvm.backends.base import ProbeResult
     from pytest_smolvm.backends.smol import probe
+    from pytest_smolvm.backends.smol.boot_failures import TIMEOUT_REASON
 
     monkeypatch.setenv("PYTEST_SMOLVM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SMOLVM_SECCOMP", raising=False)
@@ -249,15 +255,15 @@ def test_probe_answers_hold_while_their_key_does_and_sdk_set_variables_do_not_ch
     monkeypatch.setenv("SMOLVM_LANDLOCK", "enforce")
     assert probe.cache_key() == key
     probe._store(key, probe.BootReport(False, "KvmContext(KvmOpen(Error(13)))", 0.3))
-    probe._store("stalled", probe.BootReport(False, f"{probe.TIMEOUT_REASON} 20s", 20.0, timed_out=True))
-    assert probe._load_cached(key) == probe.ProbeResult(False, "KvmContext(KvmOpen(Error(13)))")
+    probe._store("stalled", probe.BootReport(False, f"{TIMEOUT_REASON} 20s", 20.0, timed_out=True))
+    assert probe._load_cached(key) == ProbeResult(False, "KvmContext(KvmOpen(Error(13)))")
     later = time.time() + 7 * 24 * 3600  # a week on, the same boot: nothing the key sees has changed
-    monkeypatch.setattr(probe.time, "time", lambda: later)
+    monkeypatch.setattr(time, "time", lambda: later)  # the time module probe reads the clock from
     # A refusal holds: re-probing would add seconds to some test of every run (doctor re-probes).
-    assert probe._load_cached(key) == probe.ProbeResult(False, "KvmContext(KvmOpen(Error(13)))")
+    assert probe._load_cached(key) == ProbeResult(False, "KvmContext(KvmOpen(Error(13)))")
     assert probe._load_cached("stalled") is None  # a stall may have been the engine's slow first start
     probe._store(key, probe.BootReport(True, "booted", 0.1))
-    assert probe._load_cached(key) == probe.ProbeResult(True, "booted")
+    assert probe._load_cached(key) == ProbeResult(True, "booted")
 
 
 def test_liveness_without_proc_uses_ps(monkeypatch: pytest.MonkeyPatch) -> None:

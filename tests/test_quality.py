@@ -1,4 +1,5 @@
-"""The code standards CI holds us to: mypy --strict and ruff, on the package as shipped."""
+"""The code standards CI holds us to: mypy --strict and ruff, on the package as shipped, its tests,
+benchmarks and examples."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+MYPY = [sys.executable, "-m", "mypy", "--strict"]
+# Each example folder is a suite of its own with its own conftest.py: one mypy run each, as one
+# run would see several modules named conftest.
+EXAMPLE_SUITES = [sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.py")),
+                  ["examples/evals"], ["examples/network"]]
+
+
 @pytest.mark.parametrize("tool", [
-    [sys.executable, "-m", "mypy", "--strict", "pytest_smolvm"],
+    [*MYPY, "pytest_smolvm"],
+    [*MYPY, "tests", "benchmarks"],
+    *([*MYPY, *suite] for suite in EXAMPLE_SUITES),
     [sys.executable, "-m", "ruff", "check", "pytest_smolvm", "tests", "examples", "benchmarks"],
-], ids=["mypy", "ruff"])
+], ids=["mypy", "mypy-tests", "mypy-examples", "mypy-examples-evals", "mypy-examples-network", "ruff"])
 def test_clean(tool: list[str]) -> None:
     if find_spec(tool[2]) is None:  # a missing checker is a failure, not a pass
         pytest.fail(f"{tool[2]} is not installed (pip install '.[test]')")

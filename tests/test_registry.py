@@ -11,7 +11,7 @@ import pytest
 
 from pytest_smolvm.baselines import cache as baselines
 from pytest_smolvm.baselines.oci import store
-from pytest_smolvm.baselines.oci.auth import lookup, parse_auth_option
+from pytest_smolvm.baselines.oci.auth import Credentials, lookup, parse_auth_option
 from pytest_smolvm.baselines.oci.pull import resolve_image
 from pytest_smolvm.baselines.oci.reference import parse
 from pytest_smolvm.errors import UsageError
@@ -60,6 +60,13 @@ def test_auth_option_forms() -> None:
         parse_auth_option("no-colon")
 
 
+def _found(registry: str, option_value: str | None) -> Credentials:
+    """lookup's credentials for ``registry``, which it must have."""
+    credentials = lookup(registry, option_value)
+    assert credentials is not None, f"no credentials for {registry}"
+    return credentials
+
+
 def test_docker_config_auths_and_credential_helpers(oci_cache: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     docker = tmp_path / "docker"
@@ -75,14 +82,14 @@ def test_docker_config_auths_and_credential_helpers(oci_cache: Path, tmp_path: P
         "auths": {"https://index.docker.io/v1/": {"auth": "aHViOnNlY3JldA=="},  # hub:secret
                   "http://reg.example:5000": {"username": "plain", "password": "pw"}},
         "credHelpers": {"helped.example": "fake"}}))
-    assert lookup("docker.io", None) == type(lookup("docker.io", None))("hub", "secret")
-    assert (lookup("reg.example:5000", None).username, lookup("reg.example:5000", None).password) == ("plain", "pw")
-    assert (lookup("helped.example", None).username, lookup("helped.example", None).password) == \
+    assert lookup("docker.io", None) == Credentials("hub", "secret")
+    assert (_found("reg.example:5000", None).username, _found("reg.example:5000", None).password) == ("plain", "pw")
+    assert (_found("helped.example", None).username, _found("helped.example", None).password) == \
         ("helper-user", "helped.example")
     assert lookup("unknown.example", None) is None
     monkeypatch.setenv("PYTEST_SMOLVM_REGISTRY_AUTH", "reg.example:5000=env:var")
-    assert lookup("reg.example:5000", None).username == "env"
-    assert lookup("reg.example:5000", "opt:ion").username == "opt"  # the option wins over the env
+    assert _found("reg.example:5000", None).username == "env"
+    assert _found("reg.example:5000", "opt:ion").username == "opt"  # the option wins over the env
 
 
 def test_a_missing_credential_helper_names_its_install(oci_cache: Path, tmp_path: Path) -> None:

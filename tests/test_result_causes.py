@@ -90,7 +90,7 @@ def _guest(oom_kills: int = 0, timed_out: bool = False) -> Any:
 def test_an_oom_kill_the_cgroup_counted_makes_the_cause_oom() -> None:
     # The count itself is read from a real guest's cgroup in
     # tests/security/test_guest_attacks.py::test_8b_an_oom_kill_is_reported.
-    failed_call = {"call": SimpleNamespace(failed=True)}
+    failed_call: dict[str, Any] = {"call": SimpleNamespace(failed=True)}  # a stand-in for the call's TestReport
     assert causes.of("failed", failed_call, {}, [_guest(oom_kills=1)]) == "oom"
     assert causes.of("failed", failed_call, {}, [_guest(timed_out=True)]) == "timeout"
     assert causes.of("failed", failed_call, {}, [_guest()]) == "failed"

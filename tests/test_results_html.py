@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from pytest_smolvm.errors import ResultsError
 from pytest_smolvm.evals.results.html_report import report
-from pytest_smolvm.evals.results.load import ResultsError, read
+from pytest_smolvm.evals.results.load import read
 
 ROOT = Path(__file__).resolve().parent.parent
 EVALS = ROOT / "examples" / "evals"

@@ -218,7 +218,8 @@ def test_branches_are_copy_on_write_snapshots_of_the_source_now(cloud: LoopbackC
         first.exec(["sh", "-c", "echo child > /root/state"])
         assert source.read_file("/root/state") == b"one\n"
         source.exec(["sh", "-c", "echo two > /root/state"])
-        batch = source.branch_batch(names=["cow-2", "cow-3"])
+        # smol's "list[Machine]" names, inside the class, its own Machine.list: the type said here
+        batch: list[Machine] = source.branch_batch(names=["cow-2", "cow-3"])
         children += batch
         assert [c.read_file("/root/state") for c in batch] == [b"two\n", b"two\n"]
         assert first.read_file("/root/state") == b"child\n"

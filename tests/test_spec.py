@@ -160,9 +160,17 @@ def test_the_backend_and_the_handles_get_the_one_resolved_spec(smol_state: Path,
         created: list[Any] = []
         branched: list[Any] = []
         real_create, real_branch = backend.create, backend.branch  # type: ignore[attr-defined]
-        monkeypatch.setattr(backend, "create", lambda spec, **kw: created.append(spec) or real_create(spec, **kw))
-        monkeypatch.setattr(backend, "branch",
-                            lambda parent, specs: branched.extend(specs) or real_branch(parent, specs))
+
+        def create(spec: Any, **kw: Any) -> Any:
+            created.append(spec)
+            return real_create(spec, **kw)
+
+        def branch(parent: Any, specs: Any) -> Any:
+            branched.extend(specs)
+            return real_branch(parent, specs)
+
+        monkeypatch.setattr(backend, "create", create)
+        monkeypatch.setattr(backend, "branch", branch)
         live = pool.create("test_spec", MarkerSpec(timeout=7.0, output_limit=2048))
         [spec] = created
         assert (spec.cpus, spec.disk_mb, spec.user, spec.output_limit, spec.timeout) == (1, 64, "nobody", 2048, 7.0)

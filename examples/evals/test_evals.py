@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_smolvm import VM
+from pytest_smolvm.evals.episodes import Episode
+
 HERE = Path(__file__).parent
 # Sorted: every xdist worker must collect the same tests in the same order.
 TASKS = sorted(p.name for p in (HERE / "tasks").iterdir() if p.is_dir())
@@ -15,7 +18,7 @@ TASKS = sorted(p.name for p in (HERE / "tasks").iterdir() if p.is_dir())
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.smol_episodes(4, seed=0)
-def test_agent(smol_vm, smol_episode, task):
+def test_agent(smol_vm: VM, smol_episode: Episode, task: str) -> None:
     task_dir = HERE / "tasks" / task
     # The agent sees the task and its input, never the expected answer or the grader.
     smol_vm.copy_in(task_dir / "task.txt", "/task/task.txt")

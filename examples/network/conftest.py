@@ -9,12 +9,13 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def package_index(tmp_path_factory):
+def package_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     search = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # nft lives in sbin
     missing = [tool for tool in ("ip", "pasta", "nft") if shutil.which(tool, path=search) is None]
     if missing or os.geteuid() != 0:

@@ -1,7 +1,11 @@
 """An allowlisted download inside a guest: the index is reachable, nothing else is."""
 
+from collections.abc import Callable
 
-def test_allowlisted_download(smol_vm_factory, package_index):
+from pytest_smolvm import VM
+
+
+def test_allowlisted_download(smol_vm_factory: Callable[..., VM], package_index: str) -> None:
     # The allowlist names this run's stand-in index, known only once its fixture has started it
     # (a fixed address would take @pytest.mark.smol(allow_hosts=["10.0.0.5"]) just the same).
     vm = smol_vm_factory(allow_hosts=[package_index])

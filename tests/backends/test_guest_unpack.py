@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import os
 import shutil
@@ -429,7 +430,7 @@ def test_a_guests_copy_in_starts_as_many_writers_as_its_cpus(make_guest: MakeGue
     allowed = cgroups.cpus_allowed(backend.limits, None)  # type: ignore[attr-defined]
     for cpus, writers in ((None, writers_for(allowed)), (1, 1)):
         vm, guest = make_guest(**({} if cpus is None else {"cpus": cpus}))
-        most = _most_processes_under(guest.pid, lambda vm=vm: vm.copy_in(src, "/work/tree"))  # type: ignore[attr-defined]
+        most = _most_processes_under(guest.pid, functools.partial(vm.copy_in, src, "/work/tree"))  # type: ignore[attr-defined]
         assert most == 1 + (writers if writers > 1 else 0), (cpus, most)  # the request's child and its writers
         assert vm.exec("find /work/tree -type f | wc -l").stdout.strip() == "4000"
 

@@ -204,7 +204,7 @@ SHAPES = [cve_2025_4517, cve_2025_4330, cve_2025_4138, cve_2024_12718, symlink_c
 
 def _outside(tmp_path: Path, dest: Path) -> set[str]:
     """Every path under tmp_path but outside dest (dest itself is not walked: its names are deep)."""
-    found = set()
+    found: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(tmp_path):
         dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) != str(dest)]
         found.update(os.path.join(dirpath, n) for n in dirnames + filenames)
