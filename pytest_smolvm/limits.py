@@ -27,9 +27,9 @@ class Limits:
     # A guest's memory on every backend (``memory_mb`` overrides it everywhere). 4 GiB let one
     # namespace guest take most of a small CI host, and a test that passed there could OOM in a
     # 512 MiB microVM; 2 GiB fits a Python toolchain and an agent's build. It is what the guest's
-    # processes get, as a microVM's RAM. A namespace guest's disk is a btrfs subvolume of its own
-    # (its page cache reclaimable: the limit is that alone); where a host cannot make one, a
-    # tmpfs, charged to its cgroup, whose limit then adds the disk's size
+    # processes get, as a microVM's RAM. A namespace guest whose test names ``memory_mb`` has an
+    # ext4 disk of its own (its page cache reclaimable: the limit is that alone); one that does
+    # not keeps a tmpfs disk, charged to its cgroup, whose limit adds the disk's size
     # (backends/namespace/disk.py, ``cgroups.create``).
     memory_mb: int = 2048
     # A guest's CPUs on every backend (``cpus`` overrides it everywhere): a microVM's vCPUs, a
@@ -37,7 +37,7 @@ class Limits:
     # cores less one, the namespace default before, gave the same test one CPU on a 2-core
     # runner and fifteen on a workstation.
     cpus: int = 2
-    disk_mb: int = 2048  # a namespace guest's disk (btrfs quota or tmpfs): full is EDQUOT/ENOSPC, not a kill for memory
+    disk_mb: int = 2048  # a namespace guest's disk (tmpfs or ext4); filling it is ENOSPC, not a kill for memory
 
     # ---- what comes back from a guest
     output_bytes: int = 16 << 20  # kept per exec stream (``output_limit``); the rest is cut, ``truncated`` says so

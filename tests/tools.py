@@ -27,7 +27,7 @@ PACKAGES = {
     "pasta": "passt",  # a guest with the network on: its NAT (and nft for its fence, ip for its routes)
     "nft": "nftables",
     "ip": "iproute2",
-    "mkfs.btrfs": "btrfs-progs",  # the filesystem a namespace helper makes for its guests' disks
+    "mkfs.ext4": "e2fsprogs",  # the empty ext4 template a guest's disk image is copied from
     "root": "(run the tests as root)",
 }
 SBIN = ("/usr/sbin", "/sbin")  # nft and ip live here, often off a normal user's PATH

@@ -496,7 +496,7 @@ def _memory_limit_mb(backend: Backend, guest: Guest, request: pytest.FixtureRequ
         limit = _cgroup_file(guest, "memory.limit_in_bytes", "memory.max")
         if limit is None:
             pytest.skip("no memory cgroup on this host: the limit is not applied")
-        # A tmpfs disk's files are charged to it as well; a btrfs disk's page cache is reclaimable
+        # A tmpfs disk's files are charged to it as well; an ext4 disk's page cache is reclaimable
         tmpfs = getattr(guest, "disk", "tmpfs") == "tmpfs"
         return (int(limit) >> 20) - (limits.LIMITS.disk_mb if tmpfs else 0)
     if getattr(backend, "target", "") == "cloud":

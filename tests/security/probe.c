@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
@@ -55,21 +54,6 @@ static long try_cgroup_kill(const char *path) {
     int fd = open(file, O_WRONLY);
     if (fd < 0) return -1;
     return write(fd, "1", 1);
-}
-
-static long try_btrfs(const char *what) {
-    /* The ioctls a guest would use on its own btrfs disk: a subvolume of its own (a way past its
-     * quota), or a higher quota. linux/btrfs.h's numbers, spelled out: no header needed. */
-    int fd = open("/workspace", O_RDONLY | O_DIRECTORY);
-    if (fd < 0) return -1;
-    static char vol_args[4096];
-    memset(vol_args, 0, sizeof vol_args);
-    if (!strcmp(what, "subvol")) {
-        strcpy(vol_args + 8, "probe-subvolume");
-        return ioctl(fd, _IOW(0x94, 14, char[4096]), vol_args);
-    }
-    unsigned long long limit[6] = {0, 3, 1ULL << 50, 1ULL << 50, 0, 0};
-    return ioctl(fd, _IOR(0x94, 43, char[48]), limit);
 }
 
 static long try_abstract(const char *name) {
@@ -130,8 +114,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "audit_netlink_dgram")) report(a, socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, 9));
         else if (!strcmp(a, "route_netlink")) report(a, socket(AF_NETLINK, SOCK_RAW, 0));
         else if (!strcmp(a, "mount")) report(a, mount("none", "/tmp", "tmpfs", 0, NULL));
-        else if (!strcmp(a, "btrfs_subvol_create")) report(a, try_btrfs("subvol"));
-        else if (!strcmp(a, "btrfs_qgroup_limit")) report(a, try_btrfs("qgroup"));
         else if (!strcmp(a, "open_by_handle_at")) report(a, syscall(SYS_open_by_handle_at, AT_FDCWD, calloc(1, 256), 0));
         else if (!strcmp(a, "kexec_load")) report(a, syscall(SYS_kexec_load, 0, 0, NULL, 0));
         else if (!strcmp(a, "init_module")) report(a, syscall(SYS_init_module, NULL, 0, ""));

@@ -2,7 +2,7 @@
 
 Each guest is a pid-1 init (see ``helper/``) in fresh mount/pid/net/uts/ipc namespaces
 (plus a user namespace when not root) whose root is an overlay of the baseline rootfs and a
-per-guest upper layer on its own disk (a btrfs subvolume or a tmpfs: ``disk.py``). It shares the
+per-guest upper layer on its own disk (an ext4 image or a tmpfs: ``disk.py``). It shares the
 host kernel: weaker isolation than a microVM.
 """
 
@@ -47,7 +47,7 @@ class NamespaceBackend:
     isolation: ClassVar[str] = "namespace"
     idle_guests_are_free: ClassVar[bool] = True  # an idle init: ~2.5 MB, no CPU
     # What one guest costs this host for admission control (session/admission.py): its init and
-    # helper, and the files it writes (a tmpfs disk is host memory, a btrfs one page cache). A guest may use up to its
+    # helper, and the files it writes (a tmpfs disk is host memory, an ext4 one page cache). A guest may use up to its
     # memory limit, but few do: the bound is on what the host can hold, not on the worst case.
     guest_host_mb: ClassVar[int] = 64
 
@@ -79,7 +79,7 @@ class NamespaceBackend:
         if "memory" not in limits.parents:
             disks = "a tmpfs each, bounded by disk_mb; no memory limit here"
         elif disk is None:
-            disks = "a btrfs subvolume each, bounded by disk_mb (memory_mb bounds the processes alone)"
+            disks = "an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), else a tmpfs"
         else:
             disks = f"a tmpfs each, charged to memory_mb as well ({disk})"
         return [f"limits: {applied}", f"guests run {mode}", f"disks: {disks}"]
@@ -143,11 +143,11 @@ class NamespaceBackend:
         relax = set(spec.relax)
         bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         images, why_not = self._disks
-        disk = _nsdisk.kind(why_not)
+        disk = _nsdisk.kind(spec.memory_mb is not None and "memory_mb" not in spec.defaulted, why_not)
         cgroup_dirs: list[str] = []
         try:
-            disk_request = _nsdisk.request(spec.disk_mb, images) if disk == "btrfs" else None
-            # A tmpfs disk's files are charged to the cgroup, a btrfs disk's page cache is reclaimable
+            disk_request = _nsdisk.request(spec.disk_mb, images) if disk == "ext4" else None
+            # A tmpfs disk's files are charged to the cgroup, an ext4 disk's page cache is reclaimable
             cgroup_dirs = cgroups.create(self.limits, f"{tag}-{spec.name}",
                                          cpus=spec.cpus, memory_mb=spec.memory_mb, defaults="limits" not in relax,
                                          disk_mb=spec.disk_mb if disk == "tmpfs" else 0)

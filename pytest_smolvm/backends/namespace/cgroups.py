@@ -116,10 +116,9 @@ def create(limits: Limits, name: str, *, cpus: float | None, memory_mb: int | No
 
     With ``defaults`` a limit the marker left unset gets its default; without, only what the
     marker asked for (and the pids limit, which keeps a fork bomb off the host) applies.
-    ``memory_mb`` is what the guest's processes get, as a microVM's RAM is. A guest whose files
-    live in a tmpfs disk (a host that cannot give it a btrfs one: disk.py) is charged for them
-    here too, so that ``disk_mb`` is added to the limit (else a guest filling its disk would be
-    killed for memory instead of told ENOSPC); the caller passes 0 for a btrfs disk.
+    ``memory_mb`` is what the guest's processes get, as a microVM's RAM is: the guest's files
+    live in its tmpfs disk, charged to this cgroup too, so ``disk_mb`` is added to the limit
+    (else a guest filling its disk would be killed for memory instead of told ENOSPC).
 
     The guest's TCP buffers count too. cgroup v2 charges socket memory to ``memory.max`` by
     default; v1 charges it nowhere until ``memory.kmem.tcp.limit_in_bytes`` is set (a 64 MiB

@@ -1,65 +1,71 @@
 """A namespace guest's disk: where its writable layer (the overlay upper) lives.
 
-Two kinds. A **btrfs** disk is a subvolume of its own, with a quota of ``disk_mb``, on a btrfs
-filesystem its helper makes once (an unnamed image on a loop device, mounted in the helper's
-own mount namespace: ``helper/disk.py``). Its page cache is reclaimable, so the guest's cgroup
-limit is ``memory_mb`` alone (a process past it is OOM-killed, files past it are written back),
-and the quota is the disk's bound (EDQUOT). A subvolume, its quota and its removal cost ~0.1 ms;
-an ext4 image per guest, the design before it, cost ~3.5 ms (docs/performance.md). A **tmpfs**
-is the fallback where a host cannot do that (user-namespace mode cannot mount a block device;
-no btrfs in the kernel, no loop devices or no ``mkfs.btrfs``): its files are RAM charged to the
-guest's memory cgroup, whose limit must then be ``memory_mb`` + ``disk_mb``, else a guest filling
-its disk would be killed for memory instead of told ENOSPC.
+Two kinds. A **tmpfs** costs nothing to make, but its files are RAM charged to the guest's
+memory cgroup, whose limit must then be ``memory_mb`` + ``disk_mb`` (else a guest filling its
+disk is killed for memory instead of told ENOSPC), so a guest asking for 64 MiB could run a
+200 MiB process while its disk was empty. An **ext4** disk is a file on the host's disk,
+attached to a loop device and mounted in the guest's own mount namespace: its page cache is
+reclaimable, so the cgroup's limit is ``memory_mb`` alone (a process past it is OOM-killed,
+files past it are written back), and the disk's size is its own bound (ENOSPC). It costs
+~4 ms more per guest (benchmarks/disk_cost.py, docs/performance.md), so a guest gets one when
+its ``memory_mb`` was asked for; others keep the tmpfs (their 2 GiB default is generous either
+way). User-namespace mode cannot mount a block device: tmpfs there.
 
-Nothing of a btrfs disk can outlive its helper and guests, whatever dies when: the image is an
-unnamed ``O_TMPFILE`` (no path to leave behind), its loop device clears itself when its last user
-goes (``LO_FLAGS_AUTOCLEAR``), and its users are the mount in the helper's mount namespace and the
-guests' overlays, which go with their processes. This side picks the kind and says what the
-helper needs; the helper makes the filesystem, a subvolume per guest, and removes each when its
-guest is reaped.
+Nothing of an ext4 disk can outlive its guest, whatever dies when: the image is an unnamed
+``O_TMPFILE`` (no path to leave behind), its loop device clears itself when its last user
+goes (``LO_FLAGS_AUTOCLEAR``), and its only user is the mount in the guest's mount namespace,
+which goes with the guest's last process. The helper makes all of it (``helper/disk.py``);
+this side picks the kind and makes the template, one ``mkfs.ext4`` per host per size.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import shutil
 import struct
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from pytest_smolvm.host.paths import state_dir
+from pytest_smolvm.errors import ProvisionError
+from pytest_smolvm.host.paths import cache_dir, state_dir
 
-INSTALL_HINT = "apt-get install -y btrfs-progs"
-# The helper's filesystem: a sparse image that only holds what its guests write (each bounded
-# by its quota), so its size is a ceiling for all of them at once, not space taken.
-IMAGE_BYTES = 1 << 40
+# The template's format; its version is in the file's name, so a change makes a new one.
+# No journal (the disk dies with its guest: nothing to recover), no reserved blocks, no blocks
+# kept for growing it (resize_inode: ~1 MiB of data per copy), an inode per 8 KiB (a guest's
+# trees are many small files), inode tables left uninitialised (the template is ~150 KiB of
+# data at 2 GiB) and never zeroed by the kernel later (``noinit_itable``).
+MKFS_OPTIONS = ("-q", "-F", "-b", "4096", "-m", "0", "-i", "8192", "-O", "^has_journal,^resize_inode",
+                "-E", "lazy_itable_init=1,nodiscard", "-L", "smolvm-disk")
+TEMPLATE_VERSION = 2
+INSTALL_HINT = "apt-get install -y e2fsprogs"
 _RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type
-# Simple quotas (Linux 6.7+) account a subvolume's extents when they are written, without the
-# backref walks of full qgroups at every commit; older kernels get full qgroups.
-_SIMPLE_QUOTA = Path("/sys/fs/btrfs/features/simple_quota")
 
 
 def images_dir() -> Path:
-    """Where the helpers' unnamed images are made: the state dir, on the host's disk (the
+    """Where the guests' unnamed images are made: the state dir, on the host's disk (the
     runtime dir is a tmpfs). The leak checks look for loop devices backed by files here."""
     return state_dir() / "disks"
 
 
+def templates_dir() -> Path:
+    return cache_dir() / "disks"
+
+
 @functools.lru_cache(maxsize=4)
 def unavailable(userns: bool, images: Path) -> str | None:
-    """Why this host cannot give a guest a btrfs disk (None: it can). Read once per process."""
+    """Why this host cannot give a guest an ext4 disk (None: it can). Read once per process."""
     if userns:
         return "user-namespace mode cannot mount a block device"
-    if _kernel_version() < (5, 10):  # overlayfs' volatile (5.10); LOOP_CONFIGURE (5.8)
-        return f"kernel {os.uname().release} is older than 5.10"
-    if not _kernel_has_btrfs():
-        return "this kernel has no btrfs"
+    if _kernel_version() < (5, 8):  # LOOP_CONFIGURE: attached with AUTOCLEAR set, no window without
+        return f"kernel {os.uname().release} is older than 5.8 (no LOOP_CONFIGURE)"
     if not os.path.exists("/dev/loop-control"):
         return "no /dev/loop-control (no loop devices here)"
     if _mkfs() is None:
-        return f"mkfs.btrfs not found ({INSTALL_HINT})"
+        return f"mkfs.ext4 not found ({INSTALL_HINT})"
     try:
         images.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -70,15 +76,50 @@ def unavailable(userns: bool, images: Path) -> str | None:
     return None
 
 
-def kind(reason: str | None) -> str:
-    """"btrfs" where the host can give a guest a disk of its own, else "tmpfs"."""
-    return "btrfs" if reason is None else "tmpfs"
+def kind(memory_asked: bool, reason: str | None) -> str:
+    """"ext4" where the guest asked for its memory and the host can give it a disk of its own."""
+    return "ext4" if memory_asked and reason is None else "tmpfs"
+
+
+def template(disk_mb: int) -> Path:
+    """The empty ext4 image of ``disk_mb`` MiB every such guest's disk is a copy of; made once
+    per host (an unnamed file, linked into place when whole: a crash leaves nothing half made)."""
+    folder = templates_dir()
+    path = folder / f"ext4-{disk_mb}m-v{TEMPLATE_VERSION}.img"
+    if path.exists():
+        return path
+    mkfs = _mkfs()
+    if mkfs is None:
+        raise ProvisionError(f"namespace guest disk: mkfs.ext4 not found ({INSTALL_HINT})")
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, disk_mb << 20)
+        made = subprocess.run([mkfs, *MKFS_OPTIONS, f"/proc/self/fd/{fd}"], pass_fds=(fd,),
+                              capture_output=True, text=True, timeout=60, check=False)
+        if made.returncode != 0:
+            raise ProvisionError(f"namespace guest disk: mkfs.ext4 failed for a {disk_mb} MiB disk: "
+                                 f"{(made.stderr or made.stdout).strip()[-300:]}")
+        _link_unnamed(fd, path)
+    finally:
+        os.close(fd)
+    return path
 
 
 def request(disk_mb: int, images: Path) -> dict[str, Any]:
-    """What the helper needs to give a guest a btrfs disk of ``disk_mb`` (``helper/disk.py``)."""
-    return {"dir": str(images), "bytes": disk_mb << 20, "image_bytes": IMAGE_BYTES, "mkfs": _mkfs(),
-            "simple_quota": _SIMPLE_QUOTA.exists()}
+    """What the helper needs to make a guest's ext4 disk (``helper/disk.py``) in ``images``."""
+    return {"template": str(template(disk_mb)), "dir": str(images), "bytes": disk_mb << 20}
+
+
+def _link_unnamed(fd: int, path: Path) -> None:
+    """Give the ``O_TMPFILE`` ``fd`` the name ``path``. ``os.link`` calls link(2), which does
+    not follow /proc/self/fd's link: linkat(2) with ``AT_SYMLINK_FOLLOW`` does."""
+    at_fdcwd, at_symlink_follow = -100, 0x400
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.linkat(at_fdcwd, f"/proc/self/fd/{fd}".encode(), at_fdcwd, str(path).encode(), at_symlink_follow):
+        err = ctypes.get_errno()
+        if err != errno.EEXIST:  # EEXIST: another process made the same one meanwhile (identical)
+            raise ProvisionError(f"namespace guest disk: cannot save its template as {path}: {os.strerror(err)}")
 
 
 def _kernel_version() -> tuple[int, int]:
@@ -89,20 +130,8 @@ def _kernel_version() -> tuple[int, int]:
         return (0, 0)
 
 
-def _kernel_has_btrfs() -> bool:
-    """Built in or loaded (/proc/filesystems), or a module the first mount will load."""
-    try:
-        with open("/proc/filesystems") as f:
-            if any(line.split()[-1:] == ["btrfs"] for line in f):
-                return True
-    except OSError:
-        return False
-    release = os.uname().release
-    return any(Path(f"/lib/modules/{release}/kernel/fs/btrfs").glob("btrfs.ko*"))
-
-
 def _mkfs() -> str | None:
-    return shutil.which("mkfs.btrfs") or shutil.which("mkfs.btrfs", path="/usr/sbin:/sbin")
+    return shutil.which("mkfs.ext4") or shutil.which("mkfs.ext4", path="/usr/sbin:/sbin")
 
 
 def _ram_filesystem(path: Path) -> str | None:

@@ -17,7 +17,7 @@ import struct
 import traceback
 from typing import Any
 
-from pytest_smolvm.backends.namespace.helper.disk import mount_volume
+from pytest_smolvm.backends.namespace.helper.disk import mount_disk
 from pytest_smolvm.backends.namespace.helper.init import Init
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWCGROUP,
@@ -56,12 +56,12 @@ IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40  # linux/if.h
 
 
 def _mount_root(req: dict[str, Any]) -> str:
-    """Scratch disk (a btrfs subvolume or a tmpfs: backends/namespace/disk.py), overlay root and a
+    """Scratch disk (an ext4 image or a tmpfs: backends/namespace/disk.py), overlay root and a
     minimal /dev, all in the guest's private mount ns."""
     scratch = req["scratch"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     if req.get("disk"):
-        mount_volume(req["disk"], scratch)
+        mount_disk(req["disk"], scratch)
     else:
         _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
     upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
@@ -76,10 +76,6 @@ def _mount_root(req: dict[str, Any]) -> str:
         options = f"lowerdir={lower},upperdir=upper,workdir=work"
         if req["userns"]:
             options += ",userxattr"
-        if req.get("disk"):
-            # No sync of the upper at unmount: on a btrfs disk that is a transaction commit per
-            # guest (2-8 ms), for files that die with the guest anyway.
-            options += ",volatile"
         _mount("smolvm-root", "root", "overlay", 0, options)
     finally:
         os.chdir("/")

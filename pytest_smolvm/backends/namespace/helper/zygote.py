@@ -19,7 +19,6 @@ import sys
 import time
 from typing import Any
 
-from pytest_smolvm.backends.namespace.helper.disk import Volumes
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWPID,
     JANITOR_WAIT,
@@ -37,12 +36,9 @@ from pytest_smolvm.backends.namespace.helper.setup import _setup_guest
 class _Creating:
     """A guest whose setup process is at work: the zygote serves other requests meanwhile."""
 
-    def __init__(self, req: dict[str, Any], own_pid_ns: int, volumes: Volumes) -> None:
+    def __init__(self, req: dict[str, Any], own_pid_ns: int) -> None:
         self.id = req.get("id")
         self.janitor = _janitor(req, [os.path.dirname(p) for p in req["cgroup_procs"]])
-        self.volumes = volumes
-        if req.get("disk"):  # its btrfs subvolume's name: ours to delete when we reap the guest
-            req["disk"]["volume"] = volumes.claim(req["disk"])
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         one_fork = not req["userns"]
@@ -59,8 +55,6 @@ class _Creating:
             if pid != 0:
                 os.close(report_w)
                 guest_end.close()
-                if pid > 0 and req.get("disk"):
-                    volumes.started(pid, req["disk"]["volume"])
                 if pid < 0:
                     os.close(report_r)
                     host_end.close()
@@ -91,7 +85,6 @@ class _Creating:
         if "error" in reply:
             with contextlib.suppress(ChildProcessError):  # reaped already by the zygote's loop
                 os.waitpid(self.pid, 0)  # it exits right after reporting; then its cgroup can go
-                self.volumes.reaped(self.pid)
             self.host_end.close()
             return reply, []
         reply.setdefault("pid", self.pid)
@@ -99,7 +92,7 @@ class _Creating:
         return reply, [self.host_end.detach()]
 
 
-def _reap_children(volumes: Volumes) -> None:
+def _reap_children() -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -107,7 +100,6 @@ def _reap_children(volumes: Volumes) -> None:
             return
         if pid == 0:
             return
-        volumes.reaped(pid)
 
 
 def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, dict[str, Any]], owner: int) -> None:
@@ -182,16 +174,13 @@ def zygote(sock: socket.socket) -> None:
     guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
     expected: dict[str, dict[str, Any]] = {}  # guest name -> what to remove if our owner dies before its create
     creating: dict[int, _Creating] = {}  # report pipe -> a guest being set up
-    volumes = Volumes()  # the guests' btrfs disks, made at the first guest that asks for one
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     owner_gone = False
     while not owner_gone or creating:
-        _reap_children(volumes)
-        # A guest's subvolume goes when we reap it: with guests about, look at least every second,
-        # as SIGCHLD alone does not wake the poll (Python retries it after the handler).
-        for fd, _events in poller.poll(1000 if volumes.by_pid else None):
+        _reap_children()
+        for fd, _events in poller.poll():
             if fd in creating:
                 done = creating[fd].read()
                 if done is not None:
@@ -218,7 +207,7 @@ def zygote(sock: socket.socket) -> None:
                     continue
                 if message["op"] == "create":
                     expected.pop(str(message["name"]), None)
-                    job = _Creating(message, own_pid_ns, volumes)
+                    job = _Creating(message, own_pid_ns)
                     creating[job.report_r] = job
                     poller.register(job.report_r, select.POLLIN)
                     continue
