@@ -104,7 +104,7 @@ def test_close_with_keep_leaves_the_live_guests_running_as_kept(smol_state: Path
     from pytest_smolvm.session.reaper import destroy_record
 
     session = Session(backend="namespace")
-    vm = session.create("inspect-me")
+    vm = session.create("inspect-me", memory_mb=256)  # its own disk (a loop device): nothing may hold it after
     vm.write_file("/tmp/state", "still here")
     session.close(keep=True)
     [kept] = [r for r in records() if r.name == vm.name]
