@@ -71,7 +71,7 @@ class NamespaceGuest:
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
         self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
         self.upper_fd = -1  # its upper layer, a dir fd its setup sent (for vm.branch: branch.py)
-        self.disk = "tmpfs"  # what its upper layer lives on: "btrfs" (a subvolume of its own) or "tmpfs" (disk.py)
+        self.disk = "tmpfs"  # what its upper layer lives on: "ext4" (an image of its own) or "tmpfs" (disk.py)
         self.layers: list[Path] = []  # a branch's copies of its ancestors' files, above the baseline
         self.note = ""  # a line for its logs (a branch says what it did not carry)
 
@@ -271,8 +271,8 @@ class NamespaceGuest:
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
         self.kept = True
-        if self.upper_fd >= 0:  # a kept guest is not branched; the fd would hold its disk's filesystem
-            os.close(self.upper_fd)  # after the guest is reaped (a btrfs disk: its helper's whole image)
+        if self.upper_fd >= 0:  # a kept guest is not branched; the fd would hold its disk after
+            os.close(self.upper_fd)  # the guest is reaped (an ext4 disk: its loop device and image)
             self.upper_fd = -1
 
     def registry_data(self) -> dict[str, Any]:
