@@ -228,8 +228,9 @@ def _copy_into(src_root: int, dest: Path, budget: _Budget, *, link: bool) -> Non
     """Copy the tree at ``src_root`` (a dir fd) into the new dir ``dest``; ``link``: hard-link
     regular files (``src_root`` is then a layer this host made, never a guest's own dir)."""
     os.mkdir(dest, 0o700)
-    # Read through a fresh open of the root: a btrfs directory lists only the entries it had when
-    # it was opened (Linux 6.5+), and the guest's upper fd was opened before the guest wrote any.
+    # Read through a fresh open of the root: on some filesystems (btrfs, Linux 6.5+) an open
+    # directory lists only the entries it had when it was opened, and the guest's upper fd was
+    # opened before the guest wrote any.
     with _dir_fd(".", src_root) as fresh, _dir_fd(dest) as dst_root:
         st = os.fstat(fresh)
         _attributes(fresh, dst_root, st)
