@@ -458,6 +458,10 @@ def test_two_workers_never_see_each_other(pytester: pytest.Pytester, smol_state:
             assert (BARRIER / other).read_text() != worker_id, "both ran on one worker"
             assert smol_vm.exec(f"test -e /workspace/{{other}}").exit_code == 1
             assert smol_vm.exec(f"test -e /tmp/{{other}}.pid").exit_code == 1
+            # Ours shows as sleep first (on a loaded host its fork may not have exec'd yet: ps
+            # would call it sh), then it must be the only one.
+            smol_vm.exec(f"p=$(cat /tmp/{{me}}.pid); i=0; until grep -qx sleep /proc/$p/comm; do "
+                         "i=$((i+1)); [ $i -lt 200 ] || exit 1; usleep 10000; done", check=True)
             assert smol_vm.exec("ps -o comm | grep -c sleep").stdout.strip() == "1"
             (BARRIER / f"{{me}}.done").write_text("")
             while not (BARRIER / f"{{other}}.done").exists():  # keep our guest alive for its checks
