@@ -271,8 +271,13 @@ class NamespaceGuest:
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
         self.kept = True
-        if self.upper_fd >= 0:  # a kept guest is not branched; the fd would hold its disk after
-            os.close(self.upper_fd)  # the guest is reaped (an ext4 disk: its loop device and image)
+        # A kept guest is not branched; its upper fd would hold its disk (an ext4 disk: its loop
+        # device and image) after the guest is reaped.
+        self._close_upper()
+
+    def _close_upper(self) -> None:
+        if self.upper_fd >= 0:
+            os.close(self.upper_fd)
             self.upper_fd = -1
 
     def registry_data(self) -> dict[str, Any]:
@@ -295,9 +300,7 @@ class NamespaceGuest:
         for fd in self.namespaces.values():
             os.close(fd)
         self.namespaces = {}
-        if self.upper_fd >= 0:
-            os.close(self.upper_fd)
-            self.upper_fd = -1
+        self._close_upper()
         self._destroyed = True
 
 
