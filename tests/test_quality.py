@@ -15,17 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MYPY = [sys.executable, "-m", "mypy", "--strict"]
 # Each example folder is a suite of its own with its own conftest.py: one mypy run each, as one
-# run would see several modules named conftest.
-EXAMPLE_SUITES = [sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.py")),
-                  ["examples/evals"], ["examples/network"]]
+# run would see several modules named conftest. Found, not listed: a new folder is checked too.
+EXAMPLES = ROOT / "examples"
+EXAMPLE_SUITES = {"examples": sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*.py"))} | {
+    f"examples-{d.name}": [str(d.relative_to(ROOT))] for d in sorted(EXAMPLES.iterdir()) if any(d.glob("*.py"))}
+TOOLS = {
+    "mypy": [*MYPY, "pytest_smolvm"],
+    "mypy-tests": [*MYPY, "tests", "benchmarks"],
+    **{f"mypy-{name}": [*MYPY, *paths] for name, paths in EXAMPLE_SUITES.items()},
+    "ruff": [sys.executable, "-m", "ruff", "check", "pytest_smolvm", "tests", "examples", "benchmarks"],
+}
 
 
-@pytest.mark.parametrize("tool", [
-    [*MYPY, "pytest_smolvm"],
-    [*MYPY, "tests", "benchmarks"],
-    *([*MYPY, *suite] for suite in EXAMPLE_SUITES),
-    [sys.executable, "-m", "ruff", "check", "pytest_smolvm", "tests", "examples", "benchmarks"],
-], ids=["mypy", "mypy-tests", "mypy-examples", "mypy-examples-evals", "mypy-examples-network", "ruff"])
+@pytest.mark.parametrize("tool", TOOLS.values(), ids=TOOLS.keys())
 def test_clean(tool: list[str]) -> None:
     if find_spec(tool[2]) is None:  # a missing checker is a failure, not a pass
         pytest.fail(f"{tool[2]} is not installed (pip install '.[test]')")
