@@ -40,6 +40,13 @@ from pytest_smolvm.backends.namespace.helper.requests import (
 DRAIN_POLL_MS = 5
 GROUP_GONE_WAIT = 2.0
 
+# The guest's pid 1 is not the host's init, so the kernel's OOM killer may choose it, and a
+# Python init is often its cgroup's biggest process: one command over memory_mb took the whole
+# guest with it. A VM's kernel never kills its init, so every process the init starts gets the
+# highest score (which only raises, needing no privilege) and the command that grew dies instead.
+# On the host as a whole it ranks guest processes first too.
+OOM_SCORE_KILL_FIRST = b"1000"
+
 
 class Init:
     """pid 1 of one guest: serves requests from the host and reaps every orphan.
@@ -267,6 +274,7 @@ class Init:
                 return
         finally:
             os.chdir("/")
+        _kill_first_on_oom(pid)  # the command may run for a moment first: only its own risk
         for fd in fds[:3]:
             os.close(fd)
         self.children[pid] = status_fd
@@ -280,6 +288,7 @@ class Init:
     def run_child(self, message: dict[str, Any], fds: list[int]) -> None:
         code = 1
         try:
+            _kill_first_on_oom("self")
             os.setsid()
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
@@ -311,6 +320,24 @@ class Init:
             except OSError:
                 pass
         os._exit(code)
+
+
+def _kill_first_on_oom(pid: int | str) -> None:
+    """Rank a process the init started above the init for the OOM killer (OOM_SCORE_KILL_FIRST).
+
+    Best effort: a command that has already ended, or changed its uid, keeps its score, which
+    puts only its own guest at risk; a failure here must not take the init down.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(fd, OOM_SCORE_KILL_FIRST)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _take_terminal() -> None:
