@@ -31,14 +31,7 @@ if TYPE_CHECKING:
 
     from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback, VMSpec
 
-from pytest_smolvm.handle.result import (
-    DEFAULT,
-    ExecResult,
-    Timeout,
-    TranscriptEntry,
-    _Omitted,
-    _tail,
-)
+from pytest_smolvm.handle.result import DEFAULT, ExecResult, Timeout, TranscriptEntry, _Omitted, _tail
 
 PAYLOAD = "payload"
 MAX_BRANCHES = 64  # children per call: a typo (branch_batch(10_000)) fails at once, not at the host's limits
@@ -132,6 +125,8 @@ class GuestHandle:
             raise ValueError(f"exec: cmd holds a NUL byte, which no argv can carry: {shown!r}")
         if on_output is not None and not callable(on_output):
             raise TypeError(f"exec: on_output must be a callable (stream, chunk), got {on_output!r}")
+        if not isinstance(check, bool):  # check="no" would raise on a failure the caller meant to read
+            raise TypeError(f"exec: check must be True or False, got {check!r}")
         environment = guest_env("exec: env", env) if env is not None else {}
         limit = self.default_timeout if isinstance(timeout, _Omitted) else timeout
         if limit is not None:  # checked before the command starts: nothing runs on a bad timeout

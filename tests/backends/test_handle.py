@@ -206,6 +206,9 @@ def test_bad_exec_arguments_are_one_line_errors_before_the_guest_is_asked(vm: VM
             vm.exec("true", user=user)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^exec: on_output must be a callable"):
         vm.exec("echo hi", on_output=5)  # type: ignore[arg-type]
+    for check in ("no", None, 1):  # "no" is truthy: the failure the caller meant to read would raise
+        with pytest.raises(TypeError, match=r"^exec: check must be True or False, got"):
+            vm.exec("false", check=check)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^copy_in: src must be a host path"):
         vm.copy_in(5, "/tmp/m")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^copy_out: dest must be a host path"):
