@@ -105,16 +105,17 @@ def test_the_kernel_oom_kills_a_guest_over_its_memory(smol_state: Path) -> None:
 
 
 def test_an_oom_kills_a_command_not_the_guest_init_that_is_bigger(smol_state: Path) -> None:
-    # Twelve ~3-6 MB shells in 32 MiB: each is smaller than the Python init (~11 MB), which the
-    # OOM killer chose before the init ranked its commands first (seen as a CI flake of the test
-    # above, whose single hog is sometimes smaller than the init when the limit is hit).
+    # 24 shells of ~3-6 MB, past the limit whichever disk the guest has (32 MiB on ext4, 32 + 16
+    # on a tmpfs): each is smaller than the Python init (~11 MB), which the OOM killer chose
+    # before the init ranked its commands first (seen as a CI flake of the test above, whose
+    # single hog is sometimes smaller than the init when the limit is hit).
     backend = NamespaceBackend()
     if "memory" not in backend.limits.parents:
         pytest.skip(f"no memory cgroup here: {backend.limits.summary}")
     guest = backend.create(VMSpec(name="oom-many", baseline=resolve(None, Path.cwd()), memory_mb=32, disk_mb=16))
     try:
         vm = VM(guest, backend="namespace", isolation="namespace")
-        r = vm.exec("for i in $(seq 12); do (x=$(head -c 3000000 /dev/zero | tr '\\0' a); sleep 2) & done; "
+        r = vm.exec("for i in $(seq 24); do (x=$(head -c 3000000 /dev/zero | tr '\\0' a); sleep 2) & done; "
                     "wait; echo done", timeout=120)
         assert r.stdout == "done\n" and "the guest ran out of memory" in r.stderr, r
         assert vm.exec("echo alive", timeout=30).stdout == "alive\n"
