@@ -4,8 +4,10 @@ Usage: python benchmarks/disk_cost.py [N]   (root; needs mkfs.ext4 and loop devi
 own state and cache dirs. Prints, for N guests of each kind interleaved (so drift in host load
 hits both alike): the median create + first exec + destroy time, the CPU this process and its
 helper (zygote, setups, inits: reaped children) spent per guest, and their ratios ext4/tmpfs;
-then the time to write and read back 64 MiB of files in one guest of each kind; and what making
-the template costs once per host per size. A guest gets an ext4 disk when it asks for its
+then the time to write and read back 64 MiB of files in one guest of each kind; the time to create
+10,000 small files, and to create them again after deleting them (a second later: ext4 without a
+journal scanned past every recently deleted inode per create); and what making the template costs
+once per host per size. A guest gets an ext4 disk when it asks for its
 ``memory_mb`` (backends/namespace/disk.py), a tmpfs one otherwise: the two runs differ in that only.
 """
 
@@ -29,6 +31,8 @@ from pytest_smolvm.baselines.baseline import Baseline, resolve
 KINDS = {"tmpfs": None, "ext4": 2048}  # memory_mb: the default's size either way, asked for or not
 WRITE = ("for i in 1 2 3 4; do dd if=/dev/zero of=/workspace/f$i bs=1M count=16 2>/dev/null; done; "
          "cat /workspace/f* | wc -c")
+SMALL = "mkdir /w; for i in $(seq 100); do mkdir /w/$i; for j in $(seq 100); do echo a > /w/$i/$j; done; done"
+RECREATE = ("create 10,000 files", SMALL), ("delete them", "rm -rf /w && sleep 1.2"), ("create them again", SMALL)
 
 
 def _make(backend: NamespaceBackend, baseline: Baseline, kind: str) -> NamespaceGuest:
@@ -90,12 +94,17 @@ def main() -> None:
                     times[kind].append(one(backend, baseline, kind))
                     cpu[kind] += _cpu(backend) - before
             writes: dict[str, float] = {}
+            small: dict[str, list[float]] = {kind: [] for kind in KINDS}
             for kind in KINDS:
                 guest = _make(backend, baseline, kind)
                 try:
                     start = time.perf_counter()
                     assert int(_run(guest, WRITE)) == 64 << 20
                     writes[kind] = time.perf_counter() - start
+                    for _what, command in RECREATE:
+                        start = time.perf_counter()
+                        _run(guest, command)
+                        small[kind].append(time.perf_counter() - start)
                 finally:
                     guest.destroy()
         finally:
@@ -109,6 +118,10 @@ def main() -> None:
           f"ratio {cpu['ext4'] / max(cpu['tmpfs'], 1e-9):.2f}x")
     print(f"write + read back 64 MiB of files in a guest: tmpfs {writes['tmpfs'] * 1000:.0f} ms, "
           f"ext4 {writes['ext4'] * 1000:.0f} ms, ratio {writes['ext4'] / writes['tmpfs']:.2f}x")
+    for step, (what, _command) in enumerate(RECREATE):
+        if step != 1:
+            print(f"{what} in a guest: tmpfs {small['tmpfs'][step] * 1000:.0f} ms, "
+                  f"ext4 {small['ext4'][step] * 1000:.0f} ms, ratio {small['ext4'][step] / small['tmpfs'][step]:.2f}x")
     print(f"the 2 GiB template, once per host: mkfs.ext4 {template_ms:.1f} ms, {template_kib} KiB of data")
 
 

@@ -7,7 +7,7 @@ disk is killed for memory instead of told ENOSPC), so a guest asking for 64 MiB 
 attached to a loop device and mounted in the guest's own mount namespace: its page cache is
 reclaimable, so the cgroup's limit is ``memory_mb`` alone (a process past it is OOM-killed,
 files past it are written back), and the disk's size is its own bound (ENOSPC). It costs
-~4 ms more per guest (benchmarks/disk_cost.py, docs/performance.md), so a guest gets one when
+~4-5 ms more per guest (benchmarks/disk_cost.py, docs/performance.md), so a guest gets one when
 its ``memory_mb`` was asked for; others keep the tmpfs (their 2 GiB default is generous either
 way). User-namespace mode cannot mount a block device: tmpfs there.
 
@@ -34,13 +34,16 @@ from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.host.paths import cache_dir, state_dir
 
 # The template's format; its version is in the file's name, so a change makes a new one.
-# No journal (the disk dies with its guest: nothing to recover), no reserved blocks, no blocks
-# kept for growing it (resize_inode: ~1 MiB of data per copy), an inode per 8 KiB (a guest's
-# trees are many small files), inode tables left uninitialised (the template is ~150 KiB of
-# data at 2 GiB) and never zeroed by the kernel later (``noinit_itable``).
-MKFS_OPTIONS = ("-q", "-F", "-b", "4096", "-m", "0", "-i", "8192", "-O", "^has_journal,^resize_inode",
-                "-E", "lazy_itable_init=1,nodiscard", "-L", "smolvm-disk")
-TEMPLATE_VERSION = 2
+# A journal, though the disk dies with its guest (nothing to recover): without one, ext4 skips
+# every inode deleted in the last minutes when it allocates (ialloc.c's recently_deleted), a
+# scan per create, so re-creating 10,000 files just deleted took 4-5 s instead of 0.2 s in a
+# guest (docs/performance.md). The journal is left unzeroed (lazy_journal_init), like the inode
+# tables (lazy_itable_init, and never zeroed by the kernel later: ``noinit_itable``), so the
+# template stays ~150 KiB of data at 2 GiB. No reserved blocks, no blocks kept for growing it
+# (resize_inode: ~1 MiB of data per copy), an inode per 8 KiB (a guest's trees are many small files).
+MKFS_OPTIONS = ("-q", "-F", "-b", "4096", "-m", "0", "-i", "8192", "-O", "^resize_inode",
+                "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "smolvm-disk")
+TEMPLATE_VERSION = 3
 INSTALL_HINT = "apt-get install -y e2fsprogs"
 _RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type
 
