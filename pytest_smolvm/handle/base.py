@@ -336,8 +336,10 @@ def _as_bytes(value: object, what: str) -> bytes:
 
 
 def batch_size(n: object) -> int:
-    """``n`` as a batch size, or a one-line ValueError naming the argument."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BRANCHES:
+    """``n`` as a batch size, or a one-line TypeError (not an int) or ValueError naming the argument."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"vm.branch_batch: n must be an integer from 1 to {MAX_BRANCHES}, got {n!r}")
+    if not 1 <= n <= MAX_BRANCHES:
         raise ValueError(f"vm.branch_batch: n must be an integer from 1 to {MAX_BRANCHES}, got {n!r}")
     return n
 

@@ -92,6 +92,9 @@ def test_branch_batch_children_are_independent_and_a_branch_of_a_branch_works(sm
         assert len(_ours()) == 4
         with pytest.raises(ValueError, match=r"vm.branch_batch: n must be an integer from 1 to 64, got 0"):
             parent.branch_batch(0)
+        for wrong in (True, 2.0, "2"):  # True was a ValueError, as if 1 were out of range
+            with pytest.raises(TypeError, match=r"vm.branch_batch: n must be an integer from 1 to 64, got "):
+                parent.branch_batch(wrong)  # type: ignore[arg-type]
     assert_host_clean(smol_state)
 
 
