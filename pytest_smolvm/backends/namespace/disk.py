@@ -39,7 +39,7 @@ from pytest_smolvm.host.paths import cache_dir, state_dir
 # scan per create, so re-creating 10,000 files just deleted took 4-5 s instead of 0.2 s in a
 # guest (docs/performance.md). The journal is left unzeroed (lazy_journal_init), like the inode
 # tables (lazy_itable_init, and never zeroed by the kernel later: ``noinit_itable``), so the
-# template stays ~150 KiB of data at 2 GiB. No reserved blocks, no blocks kept for growing it
+# template stays ~160 KiB of data at 2 GiB. No reserved blocks, no blocks kept for growing it
 # (resize_inode: ~1 MiB of data per copy), an inode per 8 KiB (a guest's trees are many small files).
 MKFS_OPTIONS = ("-q", "-F", "-b", "4096", "-m", "0", "-i", "8192", "-O", "^resize_inode",
                 "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "smolvm-disk")
