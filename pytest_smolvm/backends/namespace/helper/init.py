@@ -22,6 +22,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     _check,
     _prctl,
     _recv,
+    _write_small,
 )
 from pytest_smolvm.backends.namespace.helper.requests import (
     FILE_OPS,
@@ -329,15 +330,9 @@ def _kill_first_on_oom(pid: int | str) -> None:
     puts only its own guest at risk; a failure here must not take the init down.
     """
     try:
-        fd = os.open(f"/proc/{pid}/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.write(fd, OOM_SCORE_KILL_FIRST)
+        _write_small(f"/proc/{pid}/oom_score_adj", OOM_SCORE_KILL_FIRST)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def _take_terminal() -> None:

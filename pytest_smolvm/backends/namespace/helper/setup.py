@@ -48,6 +48,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     _set_rlimits,
     _unshare,
     _write_id_map,
+    _write_small,
 )
 
 DNS_ADDRESS = "127.0.0.53"  # the guest's resolver: its DNS proxy (backends/namespace/dns.py GUEST_ADDRESS)
@@ -200,15 +201,9 @@ def _close_all_but(keep: set[int]) -> None:
 
 
 def _join_cgroups(procs_files: list[str]) -> None:
-    # os.open/os.write, not open(): a file object costs an fstat, an ioctl and two lseeks
-    # more per file, and this runs three times per guest. "0" is the writer itself, whatever
-    # pid namespace it is in.
+    # "0" is the writer itself, whatever pid namespace it is in.
     for path in procs_files:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, b"0")
-        finally:
-            os.close(fd)
+        _write_small(path, b"0")
 
 
 def _send_namespaces(ctl: socket.socket, *, userns: bool) -> None:
