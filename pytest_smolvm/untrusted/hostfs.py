@@ -174,7 +174,10 @@ class Extractor(TreeWalker):
 
     def _make_symlink(self, parent_fd: int, base: str, name: str, member: Member) -> None:
         if not self.policy.layer and not _link_stays_inside(name, member.linkname, self.policy.prefix):
-            raise self._refuse(member.name, f"its link {member.linkname!r} leaves the copied tree")
+            why = f"its link {member.linkname!r} leaves the copied tree"
+            if self.policy.prefix and name == self.policy.prefix:
+                why += " (the copy is the link itself: any target resolves beside the destination, outside the copy)"
+            raise self._refuse(member.name, why)
         try:
             os.symlink(member.linkname, base, dir_fd=parent_fd)
         except FileExistsError:
@@ -313,10 +316,27 @@ class Extractor(TreeWalker):
 
 
 def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
-    """A symlink made by copy_out must point inside the copied tree itself, lexically."""
+    """A symlink made by copy_out must resolve inside the copied tree itself, judged lexically
+    here (at write time) and by resolution once the tree is complete (``LinkMap.judge``).
+
+    ``name`` is the member's path in the stream: under ``prefix`` (the staging name the copy is
+    written under) when there is one. The target is taken from the link's own directory *within
+    the copied tree*, whose top is ``prefix``: a ``..`` past that top leaves the copy, whatever
+    follows it (the staging name is never compared with the target: after the move to ``dest``
+    the copy has another name, and ``payload/...`` would name a sibling of ``dest``). A link that
+    is the copy's top itself has no directory inside the copy: every target resolves against
+    ``dest``'s parent, so it is refused.
+    """
     if not linkname or linkname.startswith("/"):
         return False
-    depth = name.split("/")[:-1]
+    parts = name.split("/")
+    if prefix:
+        if parts[0] != prefix:
+            return False  # not under the copy (the member walk refuses these before)
+        parts = parts[1:]
+    if not parts:
+        return False  # the top of the copy is this link
+    depth = parts[:-1]  # the link's directory, from the copy's top
     for part in linkname.split("/"):
         if part in ("", "."):
             continue
@@ -326,7 +346,7 @@ def _link_stays_inside(name: str, linkname: str, prefix: str) -> bool:
             depth.pop()
         else:
             depth.append(part)
-    return not prefix or (bool(depth) and depth[0] == prefix)
+    return True
 
 
 

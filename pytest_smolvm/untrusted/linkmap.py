@@ -105,8 +105,14 @@ class LinkMap:
         """Every link still in the tree resolved (each once); the first that ends above the
         copied tree, or breaks a bound, refuses the copy."""
         top = self.root.children.get(self.prefix) if self.prefix and self.root.children else self.root
+        if top is not None and top.target is not None:
+            # The copy is this link: its target is taken from the copy's parent (beside dest
+            # once it is moved there), never from inside the copy. Refused when it is written
+            # too (hostfs); here so that the judge never passes a tree it did not resolve.
+            raise UnsafeArchive(f"{self.what}: refused {self._name(top)!r}: its link {top.target!r} leaves the "
+                                "copied tree (the copy is the link itself)")
         if top is None or top.children is None:
-            return  # no tree (a link at the top is refused when it is written)
+            return  # no tree: a single file, or nothing
         stack = [top]
         while stack:  # every node once, no recursion: a tree can nest 2,000 deep
             node = stack.pop()

@@ -27,6 +27,7 @@ from pytest_smolvm.handle.aio import AsyncVM
 from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host import paths
 from pytest_smolvm.untrusted import hostfs, rules
+from pytest_smolvm.untrusted.linkmap import LinkMap
 
 PAYLOAD = "payload"
 
@@ -103,6 +104,72 @@ def test_copy_out_of_the_issue_repro_tree_reads_no_host_file(vm: VM, tmp_path: P
     with pytest.raises(GuestError, match="resolves outside"):
         vm.copy_out("/t", parent / "out")
     assert list(parent.iterdir()) == []  # neither the copy nor its staging dir is left
+
+
+# A copy whose top is a symlink is the link itself: after the move to dest its target is taken
+# from dest's parent, so no target keeps it inside the copy. The staging name (``payload``) spelt
+# into the target once passed a check by spelling and then named a sibling of dest.
+TOP_LINK_TARGETS = ["payload/secret", "payload/.", "payload", "payload/x/..", "payload/payload", ".", "x",
+                    "../payload"]
+
+
+@pytest.mark.parametrize("target", TOP_LINK_TARGETS)
+def test_a_copy_whose_top_is_a_link_is_refused_whatever_its_target(tmp_path: Path, target: str) -> None:
+    dest = tmp_path / "staging"
+    dest.mkdir()
+    with pytest.raises(UnsafeArchive, match=r"'payload'.*leaves the copied tree"):
+        _copy(_tar((PAYLOAD, tarfile.SYMTYPE, target, 0o777)), dest)
+    assert not os.path.lexists(dest / PAYLOAD)
+
+
+@pytest.mark.parametrize("target", ["payload/secret", "payload/.", "."])
+def test_the_link_judge_refuses_a_copy_whose_top_is_a_link(target: str) -> None:
+    """The judge on its own (not only the check when the link is written): a top that is a
+    link is refused, never taken for "no tree to judge"."""
+    links = LinkMap(PAYLOAD, 1000, "copy_out")
+    links.symlink([PAYLOAD], target)
+    with pytest.raises(UnsafeArchive, match=r"'payload'.*leaves the copied tree"):
+        links.judge()
+
+
+def test_a_link_that_climbs_out_and_back_in_by_the_staging_name_is_refused(tmp_path: Path) -> None:
+    dest = tmp_path / "staging"
+    dest.mkdir()
+    for link, target in (("d/l", "../../payload/d/f"), ("d/l", "../../payload"), ("l", "../payload/d/f")):
+        with pytest.raises(UnsafeArchive, match=r"leaves the copied tree|resolves outside"):
+            _copy(_tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/d/f", tarfile.REGTYPE, "in", 0o644),
+                       (f"{PAYLOAD}/{link}", tarfile.SYMTYPE, target, 0o777)), dest)
+
+
+def test_a_tree_with_its_own_dir_named_like_the_staging_name_still_comes_out(tmp_path: Path) -> None:
+    dest = tmp_path / "staging"
+    dest.mkdir()
+    out = _copy(_tar((PAYLOAD, tarfile.DIRTYPE, "", 0o755), (f"{PAYLOAD}/payload/f", tarfile.REGTYPE, "in", 0o644),
+                     (f"{PAYLOAD}/l", tarfile.SYMTYPE, "payload/f", 0o777),
+                     (f"{PAYLOAD}/payload/self", tarfile.SYMTYPE, "../payload/f", 0o777)), dest)
+    assert (out / "l").read_text() == "in" and (out / "payload" / "self").read_text() == "in"
+
+
+@pytest.mark.parametrize("into_dir", [False, True], ids=["named", "into-existing-dir"])
+def test_copy_out_of_a_guest_link_never_leaves_a_link_to_a_host_path(vm: VM, tmp_path: Path, into_dir: bool) -> None:
+    """The audit's repro: a host dir named like the staging dir beside dest, with a canary in it.
+    Accepted, ``result.txt -> payload/secret`` read the canary and ``outdir -> payload/.``
+    took a write into the host dir."""
+    host = tmp_path / PAYLOAD
+    host.mkdir()
+    (host / "secret").write_text("host secret\n")
+    vm.exec("mkdir -p /w && ln -s payload/secret /w/result.txt && ln -s payload/. /w/outdir "
+            "&& ln -s . /w/here", check=True)
+    for name in ("result.txt", "outdir", "here"):
+        with pytest.raises(GuestError, match="leaves the copied tree"):
+            vm.copy_out(f"/w/{name}", tmp_path if into_dir else tmp_path / name)
+        assert not os.path.lexists(tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [PAYLOAD]  # no staging dir left either
+    assert [p.name for p in host.iterdir()] == ["secret"] and (host / "secret").read_text() == "host secret\n"
+    # A link inside a copied tree that stays inside still comes out as a link.
+    vm.exec("mkdir -p /t && echo in > /t/f && ln -s f /t/l", check=True)
+    out = vm.copy_out("/t", tmp_path / "t")
+    assert os.readlink(out / "l") == "f" and (out / "l").read_text() == "in\n"
 
 
 # ------------------------------------------------------------------ normalisation
