@@ -11,8 +11,12 @@ setup.py ``_send_upper``); to branch, the host
    walking by fds only: every name the guest wrote is opened relative to its parent's fd with
    ``O_NOFOLLOW``, links are copied as links (never followed), hard links stay linked, FIFOs and
    overlay whiteouts (0/0 character devices) are made anew, sockets and any other device are
-   left out, directories' xattrs (overlay's opaque mark) are kept. Bounded: entries, bytes
-   (what the guest's disk holds) and depth; past a bound the branch fails, nothing is left;
+   left out, directories' xattrs (overlay's opaque mark) are kept. A file's holes stay holes:
+   only its data is copied (``SEEK_DATA``/``SEEK_HOLE``; ``copy_file_range`` alone writes a
+   hole's zeros on tmpfs), so a ``truncate -s 1G`` file costs the host its data, not its size.
+   Bounded: entries (counted as a directory is listed, never after), bytes (the data copied and
+   the xattrs, against what the guest's disk holds) and depth; past a bound the branch fails,
+   nothing is left;
 3. thaws the parent, then hard-links that layer for each further child (the host's own tree);
 4. makes each child with ``lowerdir=<layer>:<baseline>`` and a fresh upper of its own.
 
@@ -24,6 +28,7 @@ read-only under its overlay, and its own writes go to its own upper.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -206,11 +211,14 @@ class _Budget:
         self.bytes = 0
         self.entries = 0
 
-    def take(self, size: int) -> None:
+    def entry(self) -> None:
         self.entries += 1
-        self.bytes += size
         if self.entries > MAX_ENTRIES:
             raise GuestError(f"branch: the guest's files hold more than {MAX_ENTRIES} entries")
+
+    def take(self, size: int) -> None:
+        """``size`` bytes about to be written: a file's data (never its holes) or an xattr."""
+        self.bytes += size
         if self.bytes > self.bytes_limit:
             raise GuestError(f"branch: the guest's files hold more than {self.bytes_limit >> 20} MiB")
 
@@ -233,7 +241,7 @@ def _copy_into(src_root: int, dest: Path, budget: _Budget, *, link: bool) -> Non
     # opened before the guest wrote any.
     with _dir_fd(".", src_root) as fresh, _dir_fd(dest) as dst_root:
         st = os.fstat(fresh)
-        _attributes(fresh, dst_root, st)
+        _attributes(fresh, dst_root, st, budget)
         _copy_dir(fresh, dst_root, dst_root, "", budget, link, {}, 0)
 
 
@@ -241,18 +249,20 @@ def _copy_dir(src: int, dst: int, dst_root: int, rel: str, budget: _Budget, link
               inodes: dict[tuple[int, int], str], depth: int) -> None:
     if depth > MAX_DEPTH:
         raise GuestError(f"branch: the guest's files nest deeper than {MAX_DEPTH} directories")
+    names = []
     with os.scandir(src) as entries:
-        names = [entry.name for entry in entries]
+        for entry in entries:  # counted as it is read: a directory of ten million names stops at the bound
+            budget.entry()
+            names.append(entry.name)
     for name in names:
         st = os.stat(name, dir_fd=src, follow_symlinks=False)
-        budget.take(st.st_size if stat.S_ISREG(st.st_mode) else 0)
         mode = st.st_mode
         path = f"{rel}/{name}" if rel else name
         if stat.S_ISDIR(mode):
             os.mkdir(name, 0o700, dir_fd=dst)
             with _dir_fd(name, src) as sub_src, _dir_fd(name, dst) as sub_dst:
                 _copy_dir(sub_src, sub_dst, dst_root, path, budget, link, inodes, depth + 1)
-                _attributes(sub_src, sub_dst, os.fstat(sub_src))  # after its contents: its times stay
+                _attributes(sub_src, sub_dst, os.fstat(sub_src), budget)  # after its contents: its times stay
         elif stat.S_ISREG(mode):
             key = (st.st_dev, st.st_ino)
             if link or (st.st_nlink > 1 and key in inodes):
@@ -262,7 +272,7 @@ def _copy_dir(src: int, dst: int, dst_root: int, rel: str, budget: _Budget, link
                 else:
                     os.link(name, name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
                 continue
-            _copy_file(src, dst, name, st)
+            _copy_file(src, dst, name, st, budget)
             if st.st_nlink > 1:
                 inodes[key] = path
         elif stat.S_ISLNK(mode):
@@ -277,7 +287,7 @@ def _copy_dir(src: int, dst: int, dst_root: int, rel: str, budget: _Budget, link
         # sockets, and devices the guest could not have made: left out
 
 
-def _copy_file(src: int, dst: int, name: str, st: os.stat_result) -> None:
+def _copy_file(src: int, dst: int, name: str, st: os.stat_result, budget: _Budget) -> None:
     fd_in = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src)
     try:
         if (os.fstat(fd_in).st_ino, os.fstat(fd_in).st_dev) != (st.st_ino, st.st_dev):
@@ -285,31 +295,68 @@ def _copy_file(src: int, dst: int, name: str, st: os.stat_result) -> None:
         fd_out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dst)
         try:
-            left = st.st_size
-            while left > 0:
-                try:
-                    moved = os.copy_file_range(fd_in, fd_out, min(left, COPY_CHUNK))
-                except OSError:
-                    moved = os.sendfile(fd_out, fd_in, None, min(left, COPY_CHUNK))
-                if moved == 0:
-                    break  # shorter than it was: the frozen guest cannot shrink it, but never loop
-                left -= moved
-            _attributes(fd_in, fd_out, st)
+            os.ftruncate(fd_out, st.st_size)  # its length, all hole: only its data is written below
+            for start, end in _data_extents(fd_in, st.st_size):
+                while start < end:
+                    count = min(end - start, COPY_CHUNK)
+                    budget.take(count)
+                    moved = _copy_range(fd_in, fd_out, start, count)
+                    budget.bytes -= count - moved
+                    if moved == 0:
+                        break  # shorter than it was: the frozen guest cannot shrink it, but never loop
+                    start += moved
+            _attributes(fd_in, fd_out, st, budget)
         finally:
             os.close(fd_out)
     finally:
         os.close(fd_in)
 
 
-def _attributes(src_fd: int, dst_fd: int, st: os.stat_result) -> None:
-    """Owner, mode, xattrs (overlay's opaque mark included) and times of ``src_fd`` onto ``dst_fd``."""
+def _data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each run of ``fd``'s data below ``size``, its holes skipped (``SEEK_DATA``
+    and ``SEEK_HOLE``; a filesystem that knows neither is all data). Each run holds data, so the
+    runs are as many as the pages the guest wrote at most: the walk is linear in its data."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                return  # a hole to the end
+            if pos == 0 and e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                yield 0, size
+                return
+            raise
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            return  # never loop
+        yield start, end
+        pos = end
+
+
+def _copy_range(fd_in: int, fd_out: int, offset: int, count: int) -> int:
+    """Up to ``count`` bytes at ``offset`` from ``fd_in`` to the same offset of ``fd_out``."""
+    try:
+        return os.copy_file_range(fd_in, fd_out, count, offset, offset)
+    except OSError:  # EXDEV (an ext4 upper to the tmpfs runtime dir on Linux 5.19+), and older kernels
+        os.lseek(fd_out, offset, os.SEEK_SET)
+        return os.sendfile(fd_out, fd_in, offset, count)
+
+
+def _attributes(src_fd: int, dst_fd: int, st: os.stat_result, budget: _Budget) -> None:
+    """Owner, mode, xattrs (overlay's opaque mark included; their bytes count) and times of
+    ``src_fd`` onto ``dst_fd``."""
     if os.geteuid() == 0:
         os.fchown(dst_fd, st.st_uid, st.st_gid)
     os.fchmod(dst_fd, stat.S_IMODE(st.st_mode))  # after the chown, which drops set-id bits
     with contextlib.suppress(OSError):
         for key in os.listxattr(src_fd):
             with contextlib.suppress(OSError):
-                os.setxattr(dst_fd, key, os.getxattr(src_fd, key))
+                value = os.getxattr(src_fd, key)
+                budget.take(len(os.fsencode(key)) + len(value))
+                os.setxattr(dst_fd, key, value)
     os.utime(dst_fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
