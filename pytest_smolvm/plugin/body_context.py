@@ -8,17 +8,23 @@ the process's global state is the test's own, the way pytest sets it for a call 
 
 - ``sys.stdout``/``sys.stderr`` write to the test's buffers (or to its ``capsys`` capture, which
   is resumed for the step), unless capture is off (``-s``);
-- the warnings filters are the test's (``-W``, ini, its ``filterwarnings`` marks: read in its own
-  protocol context when it was started), and what they let through is kept for the test;
+- the warnings module's state is the test's, carried from step to step as a serial call holds it:
+  its filters (``-W``, ini, its ``filterwarnings`` marks, what its fixtures set) and where what they
+  let through goes: a recorder its setup entered (``recwarn``), one its body entered across an
+  ``await`` (``pytest.warns``), else kept for the test, whole (its ``source`` too);
+- ``sys.unraisablehook`` keeps what the step's objects raise as they are collected, for the test;
+- ``PYTEST_CURRENT_TEST`` names the test's call, as pytest sets it for a call phase;
 - the root logger has the test's ``caplog`` handler (a fresh one, as a call phase gets) and a
-  handler that keeps every record for the report, at the level pytest sets for a phase.
+  handler that keeps every record for the report, at the level pytest sets for a phase; the
+  loggers its ``caplog.set_level`` changed have the levels it set.
 
 Between steps everything is put back, so another test's step, or pytest itself, sees its own.
 :meth:`BodyContext.replay` then hands what was kept to the call phase while pytest's capture,
 warnings and logging contexts for that phase are in place: the report's sections, the warnings
-summary and ``caplog.get_records("call")`` read as for a serial run. What cannot be told apart
-inside one process, output written to the file descriptors themselves (``capfd``, a child
-process's output), is not attributed: such tests run one at a time (concurrency.py).
+summary (unraisable exceptions included) and ``caplog.get_records("call")`` read as for a serial
+run. What cannot be told apart inside one process, output written to the file descriptors
+themselves (``capfd``, a child process's output), is not attributed: such tests run one at a
+time (concurrency.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import sys
 import time
 import warnings
@@ -37,6 +44,7 @@ import pytest
 from pytest_smolvm.plugin import internals
 
 T = TypeVar("T")
+CURRENT_TEST = "PYTEST_CURRENT_TEST"
 
 
 class _Keep(logging.Handler):
@@ -53,31 +61,38 @@ class _Keep(logging.Handler):
 class BodyContext:
     """One concurrent test's state, in place while its body runs and replayed in its call phase."""
 
-    def __init__(self, item: pytest.Item, capture_fixture: Any, filters: list[Any]) -> None:
+    def __init__(self, item: pytest.Item, capture_fixture: Any,
+                 setup_warnings: tuple[internals.WarningsState, internals.WarningsState]) -> None:
         self.capturing = item.config.getoption("capture", "fd") != "no"
         self.stdout, self.stderr = io.StringIO(), io.StringIO()
         self.capture_fixture = capture_fixture
         self._capture_started = False
-        self.filters = filters  # the test's own, read inside its warnings context
         self.warnings: list[warnings.WarningMessage] = []
+        before, after = setup_warnings  # the module's state as the item's setup began and ended
+        if after[1:] == before[1:]:  # no fixture left a recorder: the call phase replays what is kept
+            self._warnings = internals.recording_into(self.warnings.append, list(after[0]))
+        else:
+            self._warnings = after
+        self.unraisables: list[Any] = []
+        self._current = f"{item.nodeid} (call)".replace("\x00", "(null)")  # as pytest writes it
         self.level = internals.log_level(item.config)
         self.kept = _Keep()
         self.caplog = internals.fresh_caplog_handler(item)
         if self.level is not None:
             self.caplog.setLevel(self.level)
+        self._caplog_fixture = item.funcargs.get("caplog") if isinstance(item, pytest.Function) else None
+        self._levels: dict[str | None, int] = {}  # what its caplog.set_level set, while it runs
         self._present = frozenset(logging.getLogger().handlers)  # the run's own: they see records live
         self.outcome: BaseException | None = None  # how the body ended: None = it returned
 
-    def _warned(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                file: Any = None, line: str | None = None) -> None:
-        self.warnings.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
-
     def _enter(self) -> tuple[Any, ...]:
         root = logging.getLogger()
-        saved = (sys.stdout, sys.stderr, warnings.catch_warnings(), root.level)
+        saved = (sys.stdout, sys.stderr, warnings.catch_warnings(), root.level, sys.unraisablehook,
+                 os.environ.get(CURRENT_TEST))
         saved[2].__enter__()
-        warnings.filters[:] = self.filters  # type: ignore[index]  # a list at run time
-        warnings.showwarning = self._warned
+        internals.set_warnings_state(self._warnings)
+        sys.unraisablehook = self.unraisables.append
+        os.environ[CURRENT_TEST] = self._current
         if self.capturing:
             sys.stdout, sys.stderr = self.stdout, self.stderr
             if self.capture_fixture is not None:  # started on the first step, as a call phase starts it
@@ -87,10 +102,17 @@ class BodyContext:
         root.addHandler(self.caplog)
         if self.level is not None and root.level > self.level:
             root.setLevel(self.level)
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
         return saved
 
     def _exit(self, saved: tuple[Any, ...]) -> None:
         root = logging.getLogger()
+        if self._caplog_fixture is not None:  # its levels are put back as its finalizer puts them back
+            for name, before in internals.caplog_set_levels(self._caplog_fixture).items():
+                logger = logging.getLogger(name)
+                self._levels[name] = logger.level
+                logger.setLevel(before)
         root.removeHandler(self.caplog)
         root.removeHandler(self.kept)
         if self.level is not None and root.level == self.level:
@@ -98,6 +120,12 @@ class BodyContext:
         if self.capturing and self.capture_fixture is not None:
             internals.capture_off(self.capture_fixture)
         sys.stdout, sys.stderr = saved[0], saved[1]
+        if saved[5] is None:
+            os.environ.pop(CURRENT_TEST, None)
+        else:
+            os.environ[CURRENT_TEST] = saved[5]
+        sys.unraisablehook = saved[4]
+        self._warnings = internals.warnings_state()  # as the step left it: a recorder it entered stays
         saved[2].__exit__(None, None, None)
 
     async def run(self, body: Coroutine[Any, Any, T]) -> T:
@@ -118,9 +146,10 @@ class BodyContext:
         if self.capturing:
             sys.stdout.write(self.stdout.getvalue())
             sys.stderr.write(self.stderr.getvalue())
+        for unraisable in self.unraisables:  # to pytest's hook of this phase: reported as the test's
+            sys.unraisablehook(unraisable)
         for message in self.warnings:
-            warnings.showwarning(message.message, message.category, message.filename, message.lineno,
-                                 message.file, message.line)
+            internals.show_warning(message)
         phase_handlers = [h for h in logging.getLogger().handlers if h not in self._present]
         for record in self.kept.records:
             for handler in phase_handlers:
@@ -157,14 +186,14 @@ class _Stepped:
                 value, error = None, exc
 
 
-async def run_body(item: pytest.Function, capture_fixture: Any, timeout: Any, deadline: float | None,
-                   abort_seconds: float) -> tuple[BodyContext, float, float]:
+async def run_body(item: pytest.Function, capture_fixture: Any,
+                   setup_warnings: tuple[internals.WarningsState, internals.WarningsState], timeout: Any,
+                   deadline: float | None, abort_seconds: float) -> tuple[BodyContext, float, float]:
     """``item``'s test function as a task of its own, in its own context, to its end; with its
-    start (epoch) and duration. ``timeout``: pytest-timeout's settings, or None; ``deadline``
+    start (epoch) and duration. ``setup_warnings``: the warnings module's state as the item's
+    setup phase began and ended; ``timeout``: pytest-timeout's settings, or None; ``deadline``
     (monotonic) ends its budget, or, with ``func_only``, the body's alone starts it."""
-    with internals.item_warnings(item):
-        filters = list(warnings.filters)  # the item's own, as its call phase would have them
-    context = BodyContext(item, capture_fixture, filters)
+    context = BodyContext(item, capture_fixture, setup_warnings)
     coroutine = item.obj(**internals.test_arguments(item))
     started, clock = time.time(), time.perf_counter()
     if timeout is not None and timeout.func_only:

@@ -79,6 +79,7 @@ class _Flight:
     interrupted: bool = False
     ordered: bool = False  # its guest was ordered ahead (premade.py)
     deadline: float | None = None  # monotonic: the end of the item's pytest-timeout budget
+    setup_warnings: tuple[internals.WarningsState, internals.WarningsState] | None = None  # at its start, end
 
 
 class ConcurrentRunner:
@@ -270,7 +271,9 @@ class ConcurrentRunner:
             report = self._phase(flight, "setup")
             if report.passed:
                 capture = flight.detached.capture if flight.detached else None
-                body, started, took = await run_body(item, capture, flight.timeout, flight.deadline, ABORT_SECONDS)
+                assert flight.setup_warnings is not None
+                body, started, took = await run_body(item, capture, flight.setup_warnings, flight.timeout,
+                                                     flight.deadline, ABORT_SECONDS)
                 item.stash[REPLAY_KEY], item.stash[_TIMES_KEY] = body, (started, took)
                 # The body ran under the budget (run_body's own timer); its call phase only replays it,
                 # and timed again with what was left (nothing, after a timeout) it timed out twice
@@ -347,6 +350,7 @@ class ConcurrentRunner:
         self._in_phase = flight
         try:
             with internals.reporting_as(self._worker, self._index(item)), internals.item_warnings(item):
+                started = internals.warnings_state()
                 phase = functools.partial(hook, item=item, **kwds)
                 call = pytest.CallInfo.from_call(lambda: self._bounded(flight, phase) if timed else phase(),
                                                  when=when, reraise=self._reraise)
@@ -354,6 +358,8 @@ class ConcurrentRunner:
                 item.ihook.pytest_runtest_logreport(report=report)
                 if _interactive(call, report):
                     item.ihook.pytest_exception_interact(node=item, call=call, report=report)
+                if when == "setup":  # what the body finds: a recorder a fixture entered (recwarn) stays
+                    flight.setup_warnings = started, internals.warnings_state()
             return report
         finally:
             self._in_phase = None

@@ -1,4 +1,5 @@
-"""Every private part of pytest, pytest-xdist and pytest-timeout the plugin touches: here, and only here.
+"""Every private part of pytest, pytest-xdist, pytest-timeout and Python's warnings module the
+plugin touches: here, and only here.
 
 The concurrent runner (concurrency.py) keeps many items between their phases at once, which no
 public pytest API offers: it puts an item's fixture state aside and back (item_state.py), runs
@@ -18,6 +19,7 @@ import importlib.metadata
 import logging
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -69,6 +71,7 @@ def verify(config: pytest.Config) -> None:
         ("logging.caplog_handler_key", hasattr(pytest_logging, "caplog_handler_key")),
         ("logging.caplog_records_key", hasattr(pytest_logging, "caplog_records_key")),
         ("logging.LogCaptureHandler", hasattr(pytest_logging, "LogCaptureHandler")),
+        ("LogCaptureFixture._initial_logger_levels", _sets(pytest_logging.LogCaptureFixture, "_initial_logger_levels")),
         ("CaptureManager._capture_fixture", _sets(capture.CaptureManager, "_capture_fixture")),
         ("CaptureFixture._start/_suspend/_resume/_is_started",
          all(hasattr(capture.CaptureFixture, name) for name in ("_start", "_suspend", "_resume", "_is_started"))),
@@ -76,6 +79,10 @@ def verify(config: pytest.Config) -> None:
     for what, present in checks:
         if not present:
             raise _changed("pytest", what)
+    missing = [name for name in _PYTHON_WARNINGS if not hasattr(warnings, name)]
+    if missing:
+        raise pytest.UsageError(f"pytest-smolvm --smol-concurrency: this Python's warnings module has no "
+                                f"{', '.join(missing)}; run without --smol-concurrency")
     if config.pluginmanager.hasplugin("timeout"):
         import pytest_timeout
 
@@ -158,6 +165,32 @@ def item_warnings(item: pytest.Item) -> AbstractContextManager[None]:
     return catch_warnings_for_item(item.config, ihook=item.ihook, when="runtest", item=item)
 
 
+# What catch_warnings saves and restores (and record=True replaces): a body's warnings state is
+# carried from step to step in these, as the module holds it while a serial call runs.
+_PYTHON_WARNINGS = ("_showwarnmsg_impl", "_showwarnmsg", "_showwarning_orig")
+WarningsState = tuple[list[Any], Callable[..., object], Callable[[warnings.WarningMessage], object]]
+
+
+def warnings_state() -> WarningsState:
+    """The warnings module's filters, ``showwarning`` and the recorder ``record=True`` installs."""
+    return warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl  # type: ignore[attr-defined,return-value]
+
+
+def set_warnings_state(state: WarningsState) -> None:
+    warnings.filters, warnings.showwarning = state[0], state[1]  # type: ignore[assignment]
+    warnings._showwarnmsg_impl = state[2]  # type: ignore[attr-defined]
+
+
+def recording_into(kept: Callable[[warnings.WarningMessage], object], filters: list[Any]) -> WarningsState:
+    """The state ``catch_warnings(record=True)`` sets: what passes ``filters`` goes to ``kept`` whole."""
+    return filters, warnings._showwarning_orig, kept  # type: ignore[attr-defined]
+
+
+def show_warning(message: warnings.WarningMessage) -> None:
+    """``message`` to whatever shows or records warnings now, whole (its ``source`` too)."""
+    warnings._showwarnmsg(message)  # type: ignore[attr-defined]
+
+
 def fresh_caplog_handler(item: pytest.Item) -> logging.Handler:
     """A new ``caplog`` handler for ``item``'s call, as pytest makes for its call phase: the
     body's records go there, so ``caplog`` in a concurrent body sees its own records."""
@@ -169,6 +202,12 @@ def fresh_caplog_handler(item: pytest.Item) -> logging.Handler:
     if records is not None:
         records["call"] = handler.records
     return handler
+
+
+def caplog_set_levels(caplog: Any) -> dict[str | None, int]:
+    """The loggers ``caplog.set_level`` has changed (None: the root), each with its level before."""
+    levels: dict[str | None, int] = caplog._initial_logger_levels
+    return levels
 
 
 def log_level(config: pytest.Config) -> int | None:

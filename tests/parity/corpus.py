@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 import warnings
@@ -82,6 +83,33 @@ async def test_warns(smol_vm: VM) -> None:
     await smol_vm.aio.exec("true")
     warnings.warn("corpus warning", UserWarning, stacklevel=1)
 
+async def test_warns_across_an_await(smol_vm: VM) -> None:
+    with pytest.warns(UserWarning, match="inside"):
+        await smol_vm.aio.exec("true")
+        warnings.warn("inside", UserWarning, stacklevel=1)
+
+async def test_recwarn(smol_vm: VM, recwarn: pytest.WarningsRecorder) -> None:
+    await smol_vm.aio.exec("true")
+    warnings.warn("recorded", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in recwarn] == ["recorded"]
+
+async def test_warning_with_its_source(smol_vm: VM) -> None:
+    await smol_vm.aio.exec("true")
+    warnings.warn("with its source", UserWarning, stacklevel=1, source=smol_vm)
+
+class _RaisesWhenCollected:
+    def __del__(self) -> None:
+        raise ValueError("raised in __del__")
+
+async def test_unraisable_exception(smol_vm: VM) -> None:
+    await smol_vm.aio.exec("true")
+    _RaisesWhenCollected()  # collected at once: the exception goes to sys.unraisablehook
+    await asyncio.sleep(0.5)  # other tests' phases end meanwhile
+
+async def test_current_test_variable(smol_vm: VM) -> None:
+    await smol_vm.aio.exec("true")
+    assert os.environ["PYTEST_CURRENT_TEST"] == "test_corpus.py::test_current_test_variable (call)"
+
 async def test_output_and_log(smol_vm: VM, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     print("to stdout")
@@ -90,6 +118,18 @@ async def test_output_and_log(smol_vm: VM, caplog: pytest.LogCaptureFixture) -> 
     log.info("an info record")
     log.warning("a warning record")
     assert [r.getMessage() for r in caplog.records] == ["an info record", "a warning record"]
+
+# Two at once: the levels one test's caplog sets are its own while the other's body runs
+async def test_caplog_sets_levels(smol_vm: VM, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="corpus.levels")
+    await asyncio.sleep(0.6)
+
+async def test_caplog_levels_are_the_tests_own(smol_vm: VM, caplog: pytest.LogCaptureFixture) -> None:
+    await asyncio.sleep(0.3)
+    logging.getLogger("corpus.levels").debug("a debug record")
+    log.info("an info record")
+    assert caplog.records == []
 
 async def test_capsys(smol_vm: VM, capsys: pytest.CaptureFixture[str]) -> None:
     print("captured by capsys")
