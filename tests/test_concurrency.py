@@ -393,6 +393,28 @@ def test_a_modules_fixtures_are_torn_down_by_its_last_test_as_serially(pytester:
     assert_host_clean(smol_state)
 
 
+def test_pytest_exit_in_a_body_ends_the_run_with_its_code_and_nothing_left(pytester: pytest.Pytester,
+                                                                           smol_state: Path) -> None:
+    pytester.makepyfile("""
+        import asyncio
+        import pytest
+
+        async def test_in_flight(smol_vm):
+            await asyncio.sleep(1)
+
+        async def test_exits(smol_vm):
+            await smol_vm.aio.exec("true")
+            pytest.exit("bye from the test", returncode=7)
+    """)
+    result = pytester.runpytest_subprocess("--smol-concurrency=2", "-p", "no:anyio", "-p", "no:randomly",
+                                           "--smol-backend=namespace")
+    assert result.ret == 7, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*Exit: bye from the test*"])
+    output = result.stdout.str() + result.stderr.str()
+    assert "never retrieved" not in output, output[-3000:]  # asyncio's word for a task's lost exception
+    assert_host_clean(smol_state)
+
+
 def test_bad_concurrency_is_one_line(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makepyfile("""
         import pytest

@@ -287,9 +287,11 @@ class ConcurrentRunner:
                 self.run.pool.ahead.pace.held(time.monotonic() - holding)
             finished = True
         except BaseException as exc:
-            if not isinstance(exc, (KeyboardInterrupt, SystemExit)) and not flight.interrupted:
-                self.failure = exc  # a failure of the runner itself: raised in the main loop
-            raise
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or flight.interrupted:
+                raise
+            # pytest.exit from a phase, or a failure of the runner itself: raised in the main loop
+            # (_run_until), not left on the task, where asyncio would log it as never retrieved
+            self.failure = exc
         finally:
             if not finished:
                 self._teardown_quietly(flight)
