@@ -2,40 +2,16 @@
 
 Each test stays its own pytest item: its own setup, call and teardown reports (so its own
 terminal line, JUnit entry, results line and guest logs), its own fixtures and its own guest.
-The design, and why, is in docs/architecture.md ("Concurrent tests"). In short:
-
-- pytest's loop (or xdist's worker loop) hands ``pytest_runtest_protocol`` one item at a
-  time. This plugin starts an eligible item as a task on the worker's one event loop and
-  returns once it is in flight, so the loop hands over the next; it blocks only while N are in
-  flight, and before it returns for the last of a run of items that may share the loop (the
-  next is not eligible, or needs other parents or higher-scoped parameters, or there is none)
-  it runs everything in flight to the end.
-- The phases stay pytest's own, each run whole on the loop's thread: the runtest hook inside
-  ``pytest.CallInfo.from_call``, the report from ``pytest_runtest_makereport`` (so the skipping
-  plugin's xfail handling and every plugin's wrappers apply), each phase inside the item's own
-  warnings context. pytest's fixture machinery holds one item's function-scoped state at a time
-  (SetupState's stack, each FixtureDef's cached value and finalizers, the capture fixture), so an
-  item's share is put aside right after its setup and put back right before its next phase
-  (:func:`detach`, :func:`attach`).
-- The body runs as a task, with the test's own output, warnings and log records in place for
-  each of its steps (body_context.py); its outcome, whatever it is (``pytest.skip``, ``xfail``,
-  ``fail``, ``exit``, an assertion, a ``BaseException``), is replayed in the call phase
-  (async_tests.py), so pytest builds the report as for any test; its duration is the body's.
-- Guests are made before setup (premade.py, the glue of session/ahead.py's one made-ahead
-  mechanism): creates overlap. While N run, the next tests' guests are made ahead, as many as
-  slots free while one is made (session/ahead.py's Pace).
-- pytest-timeout's timer would time the hand-off, not the test: its ``pytest_timeout_set_timer``
-  hook is taken over, and the item's own budget is kept instead, as pytest-timeout means it:
-  setup, body and teardown together (the body alone with ``func_only``). A phase on the loop's
-  thread is bounded by pytest-timeout's own expiry (signal or thread method); the body, at
-  expiry, is cancelled (which kills its guest commands) and fails with pytest-timeout's words.
-  A test's own ``TimeoutError`` is its own failure; without pytest-timeout nothing is bounded
-  but what the test bounds.
-- Which tests run concurrently, and why the others run one at a time (said once in the run's
-  summary), is eligibility.py's.
-- Ctrl-C (SIGTERM, SIGHUP) cancels every task in flight and tears each item down (fixtures,
-  guest) before the interrupt goes on; no report is made for them, as pytest makes none for
-  the test it interrupts.
+The design, and why, is in docs/architecture.md ("Concurrent tests"); in short: the runner
+starts an eligible item as a task on the worker's one event loop and returns, so pytest's loop
+hands over the next, blocking only while N are in flight and, before the last of a run of items
+that may share the loop, until all have ended. Each phase is pytest's own, run whole on the
+loop's thread in the item's own contexts, the item's fixture state put aside between its phases
+(item_state.py); the body runs as a task with the test's own global state for each of its steps
+(body_context.py) and is replayed in its call phase (async_tests.py). Guests are made ahead
+(premade.py). pytest-timeout's timer is taken over: the item's own budget is kept here, setup,
+body and teardown together (the body alone with ``func_only``). Which tests run concurrently is
+eligibility.py's. Ctrl-C cancels every task in flight and tears each item down, unreported.
 """
 
 from __future__ import annotations
