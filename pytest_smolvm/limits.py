@@ -69,6 +69,9 @@ class Limits:
     plan_service_read: float = 10.0  # a worker's request to the controller, whole, from connect
     plan_service_connections: int = 16  # requests the controller serves at once (more wait their turn)
     guest_file_op: float = 900.0  # one file operation in a namespace guest (a FIFO, a stalled helper)
+    # A namespace guest's init, to take a request, or to report a request's end once the host has
+    # killed it (a timeout, a cancel); an init that does neither is wedged: the host kills the guest.
+    guest_answer_grace: float = 5.0
     smol_plumbing: float = 600.0  # mkdir/tar/rm for a smol file transfer: big trees, but never a hang
     smol_exec_cancel_grace: float = 30.0  # past a command's timeout, before the host kills the call
     smol_ready: float = 120.0  # a smol machine's agent to answer after start

@@ -21,13 +21,13 @@ def process_start_time(pid: int) -> int | None:
     """
     if not HAVE_PROC:
         return _ps_start_time(pid)
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if fields is None or fields[0] == b"Z":
         return None  # a zombie has already released everything we care about
     return int(fields[19])
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
+def stat_fields(pid: int) -> list[bytes] | None:
     """/proc/PID/stat's fields from the third (the state) on, or None if ``pid`` is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -68,7 +68,7 @@ def is_dying(pid: int) -> bool:
     where there is no /proc, and for a pid already gone (ask :func:`is_alive` that)."""
     if not HAVE_PROC:
         return False
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if fields is None:
         return False
     if int(fields[6]) & PF_EXITING:
@@ -83,6 +83,34 @@ def is_dying(pid: int) -> bool:
         if line.startswith((b"SigPnd:", b"ShdPnd:")):
             pending |= int(line.split()[1], 16)
     return bool(pending & SIGKILL_PENDING)
+
+
+def kill_stopped_vfork_children(parent: int) -> None:
+    """SIGKILL the children of ``parent`` that are stopped before their execve, sharing its memory
+    (a vfork or posix_spawn child: vsize and rss are the parent's own; a forked child looks alike
+    until it execs). Linux only. Identity by pidfd: a pid reused meanwhile fails the signal."""
+    try:
+        with open(f"/proc/{parent}/task/{parent}/children", "rb") as f:
+            children = [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return
+    ours = stat_fields(parent)
+    if ours is None:
+        return
+    for child in children:
+        try:
+            pidfd = os.pidfd_open(child)
+        except OSError:
+            continue
+        try:
+            fields = stat_fields(child)  # read after the pidfd is held
+            if (fields is not None and fields[0] in (b"T", b"t") and fields[1] == str(parent).encode()
+                    and fields[20:22] == ours[20:22]):  # vsize, rss
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:

@@ -26,6 +26,7 @@ from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Cancel, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.errors import GuestError, GuestUserError, ProvisionError
+from pytest_smolvm.host.procs import kill_stopped_vfork_children
 
 # Beyond this a request goes as a memfd: a SOCK_SEQPACKET message must fit the socket's
 # send buffer (~208 KiB by default), and a bigger one fails with EMSGSIZE.
@@ -36,12 +37,27 @@ ARG_HARD_LIMIT = 6 << 20
 MAX_ARG_STRLEN = 32 * 4096  # the kernel's limit on one argument or env entry
 
 
+def free_held_init(init_pid: int) -> None:
+    """The init starts commands with posix_spawn, whose vfork holds it until the child execs: a
+    child that a guest process stopped in between (``kill -STOP -1`` in a loop catches one) held
+    the init, which then served no request, not even the kill that would free it. Only the host
+    can end that child; a child that ran on to its program is never touched."""
+    if init_pid > 0:
+        kill_stopped_vfork_children(init_pid)
+
+
+class Unanswered(GuestError):
+    """The guest's init took no request, or reported no end within ``guest_answer_grace`` of a
+    kill: it is wedged, and the guest's owner gives it up (``NamespaceGuest``)."""
+
+
 class Channel:
     """The host end of one guest's control socket. It sends; replies come on status sockets."""
 
-    def __init__(self, ctl: socket.socket, name: str) -> None:
+    def __init__(self, ctl: socket.socket, name: str, init_pid: int = 0) -> None:
         self._ctl = ctl
         self._name = name
+        self._init_pid = init_pid
         self._lock = threading.Lock()
 
     def send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -55,15 +71,38 @@ class Channel:
             data, fds = b'{"body": true}', [*fds, body]
         try:
             with self._lock:  # fds and message leave together; one sender at a time keeps that simple
-                if fds:
-                    socket.send_fds(self._ctl, [data], list(fds))
-                else:
-                    self._ctl.send(data)
+                self._send_within_grace(data, fds)
         except OSError as exc:
             raise GuestError(f"guest {self._name} is gone: {exc}") from exc
         finally:
             if body >= 0:
                 os.close(body)
+
+    def _send_within_grace(self, data: bytes, fds: Sequence[int]) -> None:
+        """An init that takes no message lets a few queue, then blocks the sender: wait for room
+        within ``guest_answer_grace`` (a send that fits costs one syscall, as before)."""
+        deadline = 0.0
+        while True:
+            try:
+                if fds:
+                    socket.send_fds(self._ctl, [data], list(fds), socket.MSG_DONTWAIT)
+                else:
+                    self._ctl.send(data, socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                now = time.monotonic()
+                deadline = deadline or now + limits.LIMITS.guest_answer_grace
+                poller = select.poll()
+                poller.register(self._ctl, select.POLLOUT)
+                if now >= deadline or not poller.poll(int((deadline - now) * 1000) + 1):
+                    raise Unanswered(f"guest {self._name} stopped answering: its init took no request "
+                                     f"within {limits.LIMITS.guest_answer_grace:.0f}s") from None
+
+    def kill(self, pid: int) -> None:
+        """Have the init kill a request's child (and its group); free the init first if a guest
+        process holds it: see ``free_held_init``."""
+        free_held_init(self._init_pid)
+        self.send({"op": "kill", "pid": pid})
 
     def close(self) -> None:
         self._ctl.close()
@@ -202,8 +241,9 @@ class _Call:
     def kill(self) -> None:
         if self.pid is None:
             self.kill_pending = True  # the pid has not arrived yet: kill as soon as it does
+            free_held_init(self.channel._init_pid)  # the init may be held starting it
         elif self.pid > 1:
-            self.channel.send({"op": "kill", "pid": self.pid})
+            self.channel.kill(self.pid)
 
     def wait(self, timeout: float | None, cancel: Cancel | None) -> Outcome:
         if self.in_w >= 0:
@@ -233,10 +273,13 @@ class _Call:
         timed_out = cancelled = False
         status_open = True
         deadline = time.monotonic() + timeout if timeout is not None else None
+        answer_by: float | None = None  # once killed: when the init must have reported the end
         while exit_code is None and status_open:
             wait_ms = None
             if deadline is not None and not timed_out:
                 wait_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            elif answer_by is not None:
+                wait_ms = max(0, int((answer_by - time.monotonic()) * 1000) + 1)
             events = self.poller.poll(wait_ms)
             if deadline is not None and not timed_out and time.monotonic() >= deadline:
                 timed_out = True
@@ -272,6 +315,14 @@ class _Call:
                     self._feed()
                 elif fd in self.sinks:
                     self._drain(fd)
+            if (timed_out or cancelled) and exit_code is None and status_open:
+                # Killed: the init reports the end within its own 2 s (GROUP_GONE_WAIT). One that
+                # does not is wedged, and nothing it holds may hold this call for ever.
+                if answer_by is None:
+                    answer_by = time.monotonic() + limits.LIMITS.guest_answer_grace
+                elif time.monotonic() >= answer_by:
+                    raise Unanswered(f"guest {self.name} stopped answering: no end reported within "
+                                     f"{limits.LIMITS.guest_answer_grace:.0f}s of killing a request")
         if exit_code is None and error is None:
             raise GuestError(f"guest {self.name} is gone (its init exited)")
         # The command is done: take what it already wrote, but never wait for a

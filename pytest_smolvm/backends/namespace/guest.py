@@ -28,7 +28,16 @@ from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import ledger as _nsledger
 from pytest_smolvm.backends.namespace import network as _nsnet
-from pytest_smolvm.backends.namespace.channel import ARG_HARD_LIMIT, Channel, argv_size, raise_error, run, too_big
+from pytest_smolvm.backends.namespace.channel import (
+    ARG_HARD_LIMIT,
+    Channel,
+    Outcome,
+    Unanswered,
+    argv_size,
+    raise_error,
+    run,
+    too_big,
+)
 from pytest_smolvm.backends.namespace.helper.writers import writers_for
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
@@ -52,7 +61,7 @@ class NamespaceGuest:
     def __init__(self, name: str, ctl: socket.socket, pid: int, scratch: Path,
                  cgroup_dirs: list[str], rootfs: Rootfs, spec_env: Mapping[str, str], *, cpus: float = 1) -> None:
         self.name = name
-        self._channel = Channel(ctl, name)
+        self._channel = Channel(ctl, name, pid)
         self.pid = pid
         self.pid_start = process_start_time(pid)
         self.scratch = scratch
@@ -96,8 +105,8 @@ class NamespaceGuest:
         size = argv_size(argv, full_env)
         if size > ARG_HARD_LIMIT:
             raise too_big(size, min(os.sysconf("SC_ARG_MAX"), ARG_HARD_LIMIT), argv[0])
-        out = run(self._channel, message, name=self.name, stdin=stdin, output_limit=output_limit,
-                  timeout=timeout, on_output=on_output, cancel=cancel)
+        out = self._run(message, stdin=stdin, output_limit=output_limit, timeout=timeout, on_output=on_output,
+                        cancel=cancel)
         if out.error is not None:
             if out.error.get("errno") == errno.E2BIG:
                 arg_max = out.error.get("arg_max")
@@ -114,8 +123,8 @@ class NamespaceGuest:
         user = user if user is not None else self.default_user
         if user is not None:
             message["user"] = str(user)
-        result = run(self._channel, message, name=self.name, stdin=stdin, output_limit=1 << 16,
-                     timeout=timeout, stdout_sink=stdout_sink, cancel=cancel, stdout_fd=stdout_fd)
+        result = self._run(message, stdin=stdin, output_limit=1 << 16, timeout=timeout, stdout_sink=stdout_sink,
+                           cancel=cancel, stdout_fd=stdout_fd)
         if result.error is not None:
             raise_error(result.error, self.name, f"{message['op']} {message['path']}")
         if result.timed_out:  # a bound on every host-side read: a stalled or stalling guest side
@@ -127,6 +136,23 @@ class NamespaceGuest:
             detail = result.stderr.decode(errors="replace").strip().splitlines()
             raise GuestError(f"{message['op']} {message['path']} in {self.name}: "
                              f"{detail[-1] if detail else f'exit {result.exit_code}'}")
+
+    def _run(self, message: dict[str, Any], **kwargs: Any) -> Outcome:
+        """One request (``channel.run``); a wedged init (``Unanswered``) means the guest is given
+        up: killed from here, its pid namespace with it, and the call raises one GuestError.
+        What the guest leaves (cgroups, scratch dir, record) goes with its destroy, as after any
+        init that died."""
+        try:
+            return run(self._channel, message, name=self.name, **kwargs)
+        except Unanswered as exc:
+            self._kill_init()
+            raise GuestError(f"{exc}; the host killed the guest") from None
+
+    def _kill_init(self) -> None:
+        if process_start_time(self.pid) == self.pid_start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)  # SIGKILL ends a stopped or vfork-held init too
+            wait_gone(self.pid, limits.LIMITS.destroy_one_namespace_guest)
 
     def write_file(self, path: str, data: bytes, mode: int | None, *, user: str | None = None) -> None:
         self._file_op({"op": "write", "path": path, "mode": mode}, user=user, stdin=data)

@@ -208,16 +208,21 @@ class Init:
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         op = message.get("op")
         if op == "kill":
-            if message["pid"] <= 1:  # 0 stands for "never started"; killpg(0) would hit our own group
+            pid = message["pid"]
+            if pid <= 1:  # 0 stands for "never started"; killpg(0) would hit our own group
                 return
+            if pid in self.children:
+                # The child itself too: a guest process may have stopped it before its setsid,
+                # and then there is no group of that id (SIGKILL ends a stopped process). Only
+                # our own unreaped child: its pid cannot have been reused.
+                os.kill(pid, signal.SIGKILL)
+                self.killed.add(pid)
             # Repeat: a forking group (a fork bomb) can outrun a single pass of killpg.
             for _ in range(KILL_PASSES):
                 try:
-                    os.killpg(message["pid"], signal.SIGKILL)
+                    os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     break
-            if message["pid"] in self.children:
-                self.killed.add(message["pid"])
             return
         if op == "keep":
             self.keep = bool(message.get("keep", True))
@@ -256,6 +261,10 @@ class Init:
         fd (every fd of this process is close-on-exec), the cwd, and execvpe's PATH search
         over the request's env. A failed chdir or execve is reported on the status socket
         with its errno.
+
+        vfork holds this process until the child execs: a guest process can stop the child in
+        between (``kill -STOP -1`` reaches every process but pid 1). Then only the host can
+        end it, and does when a request's timeout or cancel fires (``channel.free_held_init``).
         """
         argv, env = message["argv"], message["env"]
         cwd = message.get("cwd") or "/"

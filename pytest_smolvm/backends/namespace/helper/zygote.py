@@ -107,12 +107,14 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, di
 
     Runs when our socket to that process reaches EOF: a clean close (all guests were destroyed
     already, so this finds nothing) or a crash (SIGKILL, os._exit, a pytest-timeout thread
-    timeout). A guest's init exits by itself when its own socket closes; we wait for that, then
-    take away its scratch dir, cgroups and registry record. A kept guest keeps all three.
+    timeout). A guest's init exits by itself when its own socket closes; we wait for that, all
+    of them at once, then SIGKILL the inits still running (a wedged init never sees its socket
+    close: a guest must not outlive its owner, nor hold up the others' cleanup), and take away
+    each guest's scratch dir, cgroups and registry record. A kept guest keeps all three.
     ``expected`` guests were announced but never asked for (the owner died in between): no
     process, only what the owner had made for them so far.
     """
-    deadline = time.monotonic() + JANITOR_WAIT
+    todo: list[tuple[int | None, dict[str, Any], str, dict[str, Any] | None]] = []
     for pid, guest in [*guests.items(), *((None, guest) for guest in expected.values())]:
         record_path = os.path.join(guest["state"], "registry", f"{guest['name']}.json")
         try:
@@ -122,17 +124,16 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, di
             record = None
         if record is not None and (record.get("kept") or record.get("data", {}).get("pid") not in (None, pid)):
             continue
-        while pid is not None and time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid  # not (or no longer) our child: reaped already
-            if done == pid:
-                break
-            time.sleep(0.005)
-        else:
-            if pid is not None:
-                continue  # still running: leave it to 'pytest-smolvm reap'
+        todo.append((pid, guest, record_path, record))
+    running = {pid for pid, *_ in todo if pid is not None}
+    _wait_exited(running, time.monotonic() + JANITOR_WAIT)
+    for pid in running:  # still our unreaped children: their pids cannot have been reused
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # the kernel then kills the guest's whole pid namespace
+    _wait_exited(running, time.monotonic() + JANITOR_WAIT)
+    for pid, guest, record_path, record in todo:
+        if pid in running:
+            continue  # not gone even so (a process stuck in the kernel): left to 'pytest-smolvm reap'
         removed_all = True
         for path in [*guest["cgroups"], guest["scratch"]]:
             for _ in range(200):
@@ -159,6 +160,22 @@ def _clean_after_owner(guests: dict[int, dict[str, Any]], expected: dict[str, di
             for path in ([record_path] if record is not None else []) + [partial]:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def _wait_exited(running: set[int], deadline: float) -> None:
+    """Reap the children in ``running`` as they exit (removing them), until none is left or
+    ``deadline``: all of them at once, so one that never exits costs the others nothing."""
+    while running:
+        for pid in list(running):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid  # not (or no longer) our child: reaped already
+            if done == pid:
+                running.discard(pid)
+        if not running or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
 
 
 def zygote(sock: socket.socket) -> None:
