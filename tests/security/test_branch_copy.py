@@ -112,6 +112,16 @@ def test_sparse_files_far_past_the_disk_branch_and_real_data_still_counts(
     assert parent.exec("true").exit_code == 0
 
 
+def _copy_refused(src: Path, dest: Path, budget_bytes: int, why: str) -> None:
+    """The branch copy of the host tree ``src`` (standing in for a guest's upper) fails: ``why``."""
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(GuestError, match=why):
+            nsbranch._copy_into(fd, dest, nsbranch._Budget(budget_bytes), link=False)
+    finally:
+        os.close(fd)
+
+
 def test_xattrs_count_in_the_copys_bytes(tmp_path: Path) -> None:
     """Xattrs were copied outside the byte budget: 400 empty files with a 3,000-byte xattr each
     passed a 1 MiB budget."""
@@ -123,12 +133,7 @@ def test_xattrs_count_in_the_copys_bytes(tmp_path: Path) -> None:
             os.setxattr(src / f"f{i}", "user.pad", b"x" * 3000)
     except OSError as e:
         pytest.skip(f"no user xattrs on {tmp_path}: {e}")
-    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with pytest.raises(GuestError, match="hold more than 1 MiB"):
-            nsbranch._copy_into(fd, tmp_path / "copy", nsbranch._Budget(MIB), link=False)
-    finally:
-        os.close(fd)
+    _copy_refused(src, tmp_path / "copy", MIB, "hold more than 1 MiB")
 
 
 def test_a_huge_directory_is_refused_while_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,11 +163,8 @@ def test_a_huge_directory_is_refused_while_it_is_read(tmp_path: Path, monkeypatc
                 yield entry
 
     monkeypatch.setattr(os, "scandir", Counting)
-    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with pytest.raises(GuestError, match="more than 100 entries"):
-            nsbranch._copy_into(fd, tmp_path / "copy", nsbranch._Budget(GIB), link=False)
+        _copy_refused(src, tmp_path / "copy", GIB, "more than 100 entries")
     finally:
-        os.close(fd)
         monkeypatch.undo()
     assert len(read) <= 102, f"{len(read)} names read for a bound of 100"
