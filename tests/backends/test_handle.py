@@ -146,6 +146,20 @@ def test_unknown_default_user_is_a_clear_error(make_guest: MakeGuest) -> None:
         vm.read_file("/etc/hostname")
 
 
+def test_guest_user_ids_out_of_the_kernels_range_are_a_clear_error(make_guest: MakeGuest) -> None:
+    """The guest writes its own /etc/passwd and /etc/group: an id past 2**32 made the request's
+    setuid (or setgroups) raise OverflowError, reported as the command's own failure (exit 1)."""
+    vm, _guest = make_guest()
+    vm.exec("echo 'big:x:99999999999:0::/:/bin/sh' >> /etc/passwd; "
+            "echo 'four:x:4294967295:0::/:/bin/sh' >> /etc/passwd; "
+            "echo 'huge:x:99999999999:root' >> /etc/group", check=True)
+    for user in ("big", "four"):
+        with pytest.raises(GuestUserError, match=f"{user}.*malformed"):
+            vm.exec("true", user=user)
+    # a group line out of range names no group: root's own commands are not broken by it
+    assert vm.exec("id -u", user="root", check=True).stdout == "0\n"
+
+
 # --------------------------------------------------------------------------- typed errors
 
 

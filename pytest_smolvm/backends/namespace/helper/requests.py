@@ -5,6 +5,7 @@ Part of the namespace backend's helper (see ``__init__``): standard library only
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -96,17 +97,27 @@ def _lookup_user(user: str | int) -> tuple[str, int, int, list[int], str]:
     if entry is None:
         raise UserError(f"user {user!r} is not in the guest's /etc/passwd")
     try:
-        name, uid, gid, home = entry[0], int(entry[2]), int(entry[3]), entry[5] or "/"
+        name, uid, gid, home = entry[0], _id(entry[2]), _id(entry[3]), entry[5] or "/"
     except ValueError:
         raise UserError(f"user {user!r} has a malformed /etc/passwd entry in the guest") from None
     groups = {gid}
     try:
         for group in _guest_table("/etc/group"):
-            if len(group) >= 4 and name in group[3].split(",") and group[2].isdigit():
-                groups.add(int(group[2]))
+            if len(group) >= 4 and name in group[3].split(","):
+                with contextlib.suppress(ValueError):  # a malformed line names no group, as for libc
+                    groups.add(_id(group[2]))
     except FileNotFoundError:
         pass
     return name, uid, gid, sorted(groups), home
+
+
+def _id(text: str) -> int:
+    """A uid or gid from the guest's tables: the kernel's range (2**32 - 1 is "no id"), else
+    ValueError; a bigger one made setuid raise OverflowError, past the request's error report."""
+    value = int(text)
+    if not 0 <= value < 0xFFFFFFFF:
+        raise ValueError(text)
+    return value
 
 
 def _become(message: dict[str, Any]) -> None:
