@@ -100,6 +100,7 @@ int main(int argc, char **argv) {
         errno = 0;
         if (!strcmp(a, "unshare_user")) report(a, unshare(CLONE_NEWUSER));
         else if (!strcmp(a, "clone_user")) report(a, try_clone_newuser());
+        else if (!strcmp(a, "io_setup")) { unsigned long ctx = 0; report(a, syscall(SYS_io_setup, 1, &ctx)); }
         else if (!strcmp(a, "io_uring")) { long rc = syscall(SYS_io_uring_setup, 4, calloc(1, 256)); report(a, rc); }
         else if (!strcmp(a, "userfaultfd")) report(a, syscall(SYS_userfaultfd, 0));
         else if (!strcmp(a, "perf_event_open")) report(a, syscall(SYS_perf_event_open, calloc(1, 256), 0, -1, -1, 0));

@@ -424,6 +424,13 @@ def test_9c_the_audit_socket_is_einval_so_shadow_user_tools_run(probe: Probe) ->
                      "route_netlink": f"errno={errno.EPERM}", "nf_netlink": f"errno={errno.EPERM}"}, found
 
 
+def test_9d_native_aio_contexts_are_enosys_not_the_hosts_budget(probe: Probe) -> None:
+    """fs.aio-max-nr is one budget for the whole host: a guest's io_setup calls took all of it,
+    and the host's own io_setup failed with EAGAIN until the guest ended. ENOSYS ("no native
+    AIO here") is what libaio's users fall back from."""
+    assert probe("io_setup") == {"io_setup": f"errno={errno.ENOSYS}"}
+
+
 def test_9b_the_filter_is_on_and_relax_turns_it_off(make_vm: Callable[..., VM], probe: Probe) -> None:
     assert "Seccomp:\t2" in make_vm().exec("cat /proc/self/status").stdout
     relaxed = make_vm(relax=("seccomp",))

@@ -7,7 +7,7 @@ guest helper (which imports nothing outside the standard library) only loads tho
 It allows what Docker's default profile allows and denies at least what that profile denies
 to a container without CAP_SYS_ADMIN, plus what the issue tracker showed guests using against
 the host: nested user namespaces (``unshare``, ``clone``/``clone3`` with namespace flags,
-``setns``), keyrings, io_uring, userfaultfd, perf, bpf, kexec and modules,
+``setns``), keyrings, io_uring and native AIO contexts, userfaultfd, perf, bpf, kexec and modules,
 ``open_by_handle_at``, raw and packet sockets, netfilter netlink, and every mount call (the
 guest's mounts are all made before the filter is loaded). A non-native syscall ABI (i386,
 x32) kills the process: libseccomp's default for a foreign architecture.
@@ -74,6 +74,10 @@ def guest_filter() -> bytes:
     for flag in NAMESPACE_FLAGS:
         filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # Native AIO contexts come from one host-wide budget (fs.aio-max-nr, 65536 events): a guest
+    # took all of it, and every host process using libaio failed with EAGAIN. ENOSYS reads as
+    # "no native AIO in this kernel", which libaio's users (databases, qemu) fall back from.
+    filt.add_rule(sc.ERRNO(errno.ENOSYS), "io_setup")
     filt.add_rule(deny, "socket", sc.Arg(0, sc.EQ, AF_PACKET))
     # Raw and packet sockets of every family, netlink included, except the audit socket, whose
     # own rule must be the only one that matches it: where two rules match, libseccomp's EPERM
