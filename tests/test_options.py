@@ -57,10 +57,13 @@ def test_bad_option_is_one_line_usage_error(pytester: pytest.Pytester, smol_stat
     one_line_usage_error(pytester.runpytest_subprocess(*args), *needles)
 
 
-def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester, smol_state: Path) -> None:
-    pytester.makeini("[pytest]\nsmol_keep = sometimes\n")
+@pytest.mark.parametrize(("ini", "needles"), [("smol_keep = sometimes", ["smol_keep=sometimes"]),
+                                              ("smol_offline = maybe", ["smol_offline", "maybe"])])
+def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester, smol_state: Path, ini: str,
+                                         needles: list[str]) -> None:
+    pytester.makeini(f"[pytest]\n{ini}\n")
     pytester.makepyfile(PASSING)
-    one_line_usage_error(pytester.runpytest_subprocess(), "smol_keep=sometimes")
+    one_line_usage_error(pytester.runpytest_subprocess(), *needles)
 
 
 def test_cli_overrides_ini(pytester: pytest.Pytester, smol_state: Path) -> None:

@@ -182,7 +182,12 @@ class Settings:
             parse_auth_option(str(auth_value))  # a malformed value fails here, naming the option
             changes["registry_auth"] = str(auth_value)
         offline = config.getoption("smol_offline", None)
-        changes["offline"] = bool(offline) if offline is not None else bool(config.getini("smol_offline"))
+        if offline is None:
+            try:
+                offline = config.getini("smol_offline")
+            except ValueError as exc:  # pytest's own parse of a bool ini value
+                raise UsageError(f"smol_offline: {exc} (expected true or false)") from None
+        changes["offline"] = bool(offline)
         return replace(settings, **changes)
 
     @classmethod
