@@ -15,6 +15,7 @@ import pytest
 
 from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.session import admission
+from tests.leaks import assert_host_clean
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,21 @@ def test_the_summary_reports_the_peak_held(pytester: pytest.Pytester, smol_state
     result.stdout.fnmatch_lines(["smolvm: admission: peak held on this host: 4 of * alive, * creating*"])
 
 
+def test_a_test_that_would_hold_more_guests_than_max_vms_fails_at_once(pytester: pytest.Pytester,
+                                                                       smol_state: Path) -> None:
+    """Its own guests hold every slot --smol-max-vms lets live: one more waited for ever (as
+    branch_batch already said in one line)."""
+    pytester.makepyfile(test_cap="""
+        def test_two(smol_vm_factory):
+            first = smol_vm_factory()
+            second = smol_vm_factory()
+    """)
+    result = pytester.runpytest_subprocess("--smol-max-vms=1", "-p", "no:anyio", timeout=60)
+    result.assert_outcomes(errors=0, failed=1)
+    result.stdout.fnmatch_lines(["*smol_vm_factory: this test already holds 1 guest*--smol-max-vms=1*"])
+    assert_host_clean(smol_state)
+
+
 def count_lock_tries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A one-item list counting the admission module's flock calls from now on."""
     calls = [0]
@@ -144,6 +160,7 @@ SECOND_PROCESS = """
 import os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from pytest_smolvm.session import admission
+from tests.leaks import assert_host_clean
 gate = admission.Gate("alive", 400)
 before = len(os.listdir("/proc/self/fd"))
 slot = gate.acquire()
@@ -189,6 +206,7 @@ def test_a_waiter_sleeps_until_a_slot_is_freed_in_another_process(smol_state: Pa
     other = subprocess.Popen([sys.executable, "-c", """
 import sys
 from pytest_smolvm.session import admission
+from tests.leaks import assert_host_clean
 gate = admission.Gate("test-sleep", 4)
 held = [gate.acquire() for _ in range(4)]
 print("held", flush=True)

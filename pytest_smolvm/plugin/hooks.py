@@ -302,6 +302,11 @@ def smol_vm_factory(request: pytest.FixtureRequest,
     item.stash[premade.SETUP_KEY] = setup  # the concurrent runner makes the next tests' guests with it
 
     def make(**keywords: Any) -> VM:
+        max_vms = run.settings.max_vms
+        held = sum(1 for live in made if live.vm.name in run.pool.live) if max_vms and made else 0
+        if max_vms and held >= max_vms:  # no slot can come free while this test holds them all
+            _fail_setup(f"smol_vm_factory: this test already holds {held} guest{'s' if held > 1 else ''}, "
+                        f"as many as --smol-max-vms={max_vms} lets live at once: one more would wait for ever")
         try:
             live: LiveGuest | None = premade.take(item, keywords, setup, run)  # made before setup, concurrently
             if live is None:
