@@ -44,6 +44,8 @@ def assert_one_line_setup_error(result: pytest.RunResult, *needles: str) -> None
     (["--smol-max-vms=lots"], ["--smol-max-vms=lots", "positive integer"]),
     (["--smol-baseline=./no/such/rootfs.tar"], ["--smol-baseline=./no/such/rootfs.tar", "no such file"]),
     (["--smol-baseline=/definitely/missing"], ["--smol-baseline=/definitely/missing", "no such file"]),
+    (["--smol-artifacts=/etc/passwd"], ["--smol-artifacts=/etc/passwd: it is not a directory"]),
+    (["--smol-artifacts=/etc/passwd/art"], ["--smol-artifacts=/etc/passwd/art: /etc/passwd is not a directory"]),
     (["--smol-output-limit=lots"], ["--smol-output-limit=lots", "byte count"]),
     (["--smol-output-limit=0"], ["--smol-output-limit=0", "positive"]),
     (["--smol-user=a:b"], ["--smol-user", "user name or uid"]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -175,6 +176,8 @@ class Settings:
                 if not value.strip():
                     raise UsageError(f"{name}: expected a path, got an empty value")
                 changes[attr] = base / Path(value).expanduser()
+                if attr == "artifacts":
+                    _can_be_a_directory(name, changes[attr])
         auth_value = config.getoption("smol_registry_auth", None)
         if auth_value is not None:
             from pytest_smolvm.baselines.oci.auth import parse_auth_option
@@ -235,6 +238,18 @@ def _known_backend(name: str, value: str) -> str:
         raise UsageError(f"{name}={value}: unknown backend (choose auto, smol, namespace or an "
                          "installed pytest_smolvm.backends entry point)") from None
     return value
+
+
+def _can_be_a_directory(name: str, path: Path) -> None:
+    """``path`` is a directory, or one this user can make: checked at startup, without making
+    it (the first test that saves files does), so a typo fails the run, not every test."""
+    there = path
+    while not os.path.lexists(there) and there.parent != there:
+        there = there.parent
+    if not there.is_dir():
+        raise UsageError(f"{name}={path}: {'it' if there == path else there} is not a directory")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"{name}={path}: {there} is not writable")
 
 
 def _positive_int(name: str, value: Any) -> int:
