@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import sys
@@ -93,8 +94,11 @@ def _pull(args: argparse.Namespace) -> int:
         pinned = resolve_image(args.image, Settings(registry_auth=args.registry_auth, offline=args.offline))
         rootfs = cache.unpack(pinned, by="pytest-smolvm pull")
     except UsageError as exc:
-        print(str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {shlex.quote(args.image)}"),
-              file=sys.stderr)
+        message = str(exc).replace(f"--smol-baseline={args.image}", f"pytest-smolvm pull {shlex.quote(args.image)}")
+        if args.offline:  # the plugin's advice, for this command's own flag
+            message = re.sub(r"--smol-offline forbids pulling \(pre-pull it: [^)]*\)",
+                             "--offline forbids pulling (run it without --offline to pull it)", message)
+        print(message, file=sys.stderr)
         return 2
     print(f"{args.image}: {pinned.digest}")
     print(f"  pin it with: --smol-baseline={parse(args.image).with_digest(pinned.digest)}")

@@ -129,6 +129,10 @@ def test_pull_command_prepulls_for_offline_runs(cli: Any, pytester: pytest.Pytes
     result = pytester.runpytest_subprocess("--smol-backend=namespace", f"--smol-baseline={image}", "--smol-offline")
     result.assert_outcomes(passed=1)
     assert oci_registry.registry.requests()[mark:] == []  # offline: not one request
+    uncached = cli("pull", "--offline", f"{oci_registry.host}/acc/never-pulled:1")
+    assert uncached.returncode == 2
+    assert uncached.stderr.rstrip().endswith("--offline forbids pulling (run it without --offline to pull it)"), \
+        uncached.stderr
     missing = cli("pull", f"{oci_registry.host}/acc/nothing:1")
     assert missing.returncode == 2
     assert missing.stderr.startswith(f"pytest-smolvm pull {oci_registry.host}/acc/nothing:1: no such image")
