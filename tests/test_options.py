@@ -68,6 +68,15 @@ def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester, smol_state: 
     one_line_usage_error(pytester.runpytest_subprocess(), *needles)
 
 
+@pytest.mark.parametrize("variable", ["PYTEST_SMOLVM_CACHE_DIR", "PYTEST_SMOLVM_STATE_DIR"])
+def test_a_state_or_cache_dir_that_cannot_be_one_is_a_one_line_usage_error(
+        pytester: pytest.Pytester, smol_state: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """The cache dir failed the first guest's setup with a traceback (FileExistsError, 9 frames)."""
+    pytester.makepyfile(PASSING)
+    monkeypatch.setenv(variable, "/etc/passwd")
+    one_line_usage_error(pytester.runpytest_subprocess(), f"${variable}=/etc/passwd: it is not a directory")
+
+
 def test_cli_overrides_ini(pytester: pytest.Pytester, smol_state: Path) -> None:
     pytester.makeini("[pytest]\nsmol_backend = bogus\n")
     pytester.makepyfile(PASSING)

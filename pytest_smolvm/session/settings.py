@@ -126,6 +126,9 @@ class Settings:
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
         """Read CLI over ini; raise UsageError naming the option for any bad value."""
+        for variable in ("PYTEST_SMOLVM_CACHE_DIR", "PYTEST_SMOLVM_STATE_DIR"):  # read where first used
+            if os.environ.get(variable):
+                _can_be_a_directory(f"${variable}", Path(os.environ[variable]).absolute())
         values: dict[str, tuple[str, str | None, Path]] = {}
         for option, ini, _ in OPTIONS:
             cli_value = config.getoption(ini)
