@@ -124,6 +124,7 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester, smol
     ("memory_mb=1.5", "memory_mb"),
     ("memory_mb=2", "memory_mb=2): expected at least 16"),
     ("cpus=0.001", "cpus=0.001): expected at least 0.01"),
+    ("cpus=1e9", "cpus=1000000000.0): expected at most 8192"),
     ("network='yes'", "network"),
     ("env={'A': 1}", "env"),
     ("allow_hosts='example.com'", "allow_hosts"),

@@ -36,6 +36,7 @@ RELAX_CHOICES = ("seccomp", "limits")
 # from the cgroup, reported as a bare OSError). Memory: a guest's own setup needs a few MiB (a
 # namespace guest's setup was OOM-killed at 2 MiB, reported as "died without a word").
 MIN_CPUS = 0.01
+MAX_CPUS = 8192  # the kernel's largest NR_CPUS; past ~1.7e8 a CPU quota is EINVAL at guest setup
 MIN_MEMORY_MB = 16
 
 # A DNS name as a resolver takes it: dot-separated labels of 1-63 letters, digits, '-' or '_'
@@ -335,6 +336,8 @@ class MarkerSpec:
                 changes[key] = _positive_number(f"{where}(cpus)", value)
                 if changes[key] < MIN_CPUS:
                     raise UsageError(f"{where}(cpus={value!r}): expected at least {MIN_CPUS} (the smallest CPU quota)")
+                if changes[key] > MAX_CPUS:
+                    raise UsageError(f"{where}(cpus={value!r}): expected at most {MAX_CPUS}")
             elif key == "memory_mb":
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise UsageError(f"{where}(memory_mb={value!r}): expected a positive integer")
