@@ -261,6 +261,18 @@ def test_unknown_factory_keyword(pytester: pytest.Pytester, smol_state: Path) ->
     result.stdout.fnmatch_lines(["*smol_vm_factory: unknown keyword 'ram'*"])
 
 
+def test_a_factory_image_that_names_no_baseline_names_the_factory(pytester: pytest.Pytester,
+                                                                 smol_state: Path) -> None:
+    pytester.makepyfile("""
+        def test_factory(smol_vm_factory):
+            smol_vm_factory(image="/nonexistent/x.tar")
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*smol_vm_factory(image)=/nonexistent/x.tar*"])
+    assert "pytest.mark.smol" not in result.stdout.str()
+
+
 def test_the_summary_says_what_ran_and_the_header_says_nothing(pytester: pytest.Pytester,
                                                                 smol_state: Path) -> None:
     pytester.makepyfile(PASSING)

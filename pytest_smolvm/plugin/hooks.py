@@ -318,6 +318,8 @@ def smol_vm_factory(request: pytest.FixtureRequest,
                     item.add_report_section("setup", "smolvm", f"{waited:.2f}s of this setup went to the run's "
                                             "one-time backend decision (probe, baseline); not counted in its "
                                             "duration")
+                if "image" in keywords:  # resolved here first, so that its error names the factory
+                    run.pool.baseline_for(spec.image, option="smol_vm_factory(image)")
                 live = run.pool.create(item.nodeid, spec, setup, waiting=premade.waiting_note(item))
             problem = ""
         except MarkerError as exc:  # this test's own keywords (a bad image=, say): only it errors

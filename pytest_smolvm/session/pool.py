@@ -88,15 +88,16 @@ class GuestPool:
                         shared=plan.shared, share_source=self._plans.share_source))
             return self._backend
 
-    def baseline_for(self, image: str | None) -> Baseline:
-        """The plan's baseline, or a marker's ``image`` resolved (and checked) once per process."""
+    def baseline_for(self, image: str | None, option: str = "@pytest.mark.smol(image)") -> Baseline:
+        """The plan's baseline, or a marker's ``image`` resolved (and checked) once per process;
+        ``option`` is where the test gave it, as its error names it."""
         if image is None:
             return self.plan.baseline
         if image not in self._baselines:
             backend = self.plan.backend  # the run's own problems stay UsageErrors: they stop the run
             try:
                 self._baselines[image] = resolve_baseline(image, self.settings, backend,
-                                                          option="@pytest.mark.smol(image)", run_id=self.run_id)
+                                                          option=option, run_id=self.run_id)
             except UsageError as exc:  # this test's image: the test errors, the run goes on
                 raise MarkerError(str(exc)) from None
         return self._baselines[image]
