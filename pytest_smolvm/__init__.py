@@ -40,7 +40,8 @@ from pytest_smolvm.errors import (  # noqa: E402  (after the call above: not rew
 )
 
 if TYPE_CHECKING:
-    from pytest_smolvm.evals.episodes import episode_seed, read_results
+    from pytest_smolvm.evals.episodes import episode_seed
+    from pytest_smolvm.evals.lines import read_results
     from pytest_smolvm.handle.aio import AsyncVM
     from pytest_smolvm.handle.vm import VM, ExecResult
     from pytest_smolvm.session.library import Session
@@ -62,10 +63,14 @@ def __getattr__(name: str) -> Any:
         from pytest_smolvm.handle.aio import AsyncVM
 
         return AsyncVM
-    if name in ("episode_seed", "read_results"):
-        from pytest_smolvm.evals import episodes
+    if name == "episode_seed":
+        from pytest_smolvm.evals.episodes import episode_seed
 
-        return getattr(episodes, name)
+        return episode_seed
+    if name == "read_results":
+        from pytest_smolvm.evals.lines import read_results
+
+        return read_results
     if name == "Session":
         from pytest_smolvm.session.library import Session
 

@@ -10,12 +10,15 @@ import math
 import multiprocessing
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_smolvm.evals.episodes import append_line, episode_seed, read_results
+from pytest_smolvm.evals.episodes import episode_seed
+from pytest_smolvm.evals.lines import append_line, read_results
 from pytest_smolvm.evals.summary import format_compact, format_table, pass_at_k, summarize
 
 EVALS = Path(__file__).resolve().parent.parent / "examples" / "evals"
@@ -81,6 +84,24 @@ def test_summary_groups_tasks_and_leaves_skips_out() -> None:
     assert compact[0].startswith("t.py::f: 6 episodes (3 tasks), 1 passed") and compact[1].startswith("  [a]: 2 ep")
     assert format_compact(summarize([line("a", "passed", 1.0)]))[0].startswith("t.py::f: 1 episode (1 task), ")
 
+
+
+def test_summary_leaves_rerun_attempts_and_crashed_plain_tests_out() -> None:
+    def line(test: str, outcome: str, **more: Any) -> dict[str, Any]:
+        return {"test": test, "function": test.split("[")[0], "case": "", "episode": None, "episodes": None,
+                "outcome": outcome, "reward": None, **more}
+
+    rows = summarize([line("t.py::f[ep0]", "rerun", episode=0, episodes=2, reward=0.0),
+                      line("t.py::f[ep0]", "passed", episode=0, episodes=2, reward=1.0),
+                      line("t.py::f[ep1]", "error", episode=1, crashed=True),  # its id names the episode
+                      line("t.py::g[a]", "passed", case="a", reward=0.5),
+                      line("t.py::g[b]", "error", case="b", crashed=True),  # one of g's tasks: g has rewards
+                      line("t.py::plain", "error", crashed=True)])  # no episodes, no reward: no row
+    assert [(r.function, r.task, r.episodes, r.passed, r.zeroed) for r in rows] == [
+        ("t.py::f", None, 2, 1, 1), ("t.py::g", None, 2, 1, 1), ("t.py::g", "a", 1, 1, 0), ("t.py::g", "b", 1, 0, 1)]
+    assert format_compact(rows)[0] == "t.py::f: 2 episodes (1 task), 1 passed, pass@1 0.500, pass@2 1.000, " \
+                                      "reward 0.500 ± 0.500 (1 failed without a reward, scored 0)"
+    assert ", pass@1 1.000, reward" in format_compact(rows)[2]  # k = 1: pass@1 once
 
 def _writer(path: str, worker: int) -> None:
     for i in range(200):
@@ -249,6 +270,74 @@ def test_quiet_summary_is_one_line_per_test(pytester: pytest.Pytester, smol_stat
     assert "reward (mean ± se)" not in result.stdout.str()
 
 
+
+def test_quiet_line_of_one_episode_and_a_crashed_plain_test(pytester: pytest.Pytester, smol_state: Path) -> None:
+    # k = 1: pass@1 once, not "pass@1 1.000, pass@1 1.000". A plain test whose worker died has
+    # neither episodes nor a reward: its crashed line is in the file, but it gets no summary row.
+    pytester.makepyfile(test_q="""
+        import os
+
+        import pytest
+
+        @pytest.mark.smol_episodes(1)
+        def test_one(smol_episode):
+            smol_episode.record(1)
+
+        def test_crash(smol_vm):
+            smol_vm.exec("true")
+            os.kill(os.getpid(), 9)  # the worker dies mid-test
+    """)
+    result = pytester.runpytest_subprocess("-q", "-n", "2", "-p", "no:randomly", "--smol-results=r.jsonl")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["test_q.py::test_one: 1 episode (1 task), 1 passed, pass@1 1.000, reward 1.000 ± -"])
+    out = result.stdout.str()
+    assert "pass@1 1.000, pass@1" not in out
+    assert "test_q.py::test_crash:" not in out and "scored 0" not in out
+    crashed = {ln["test"]: ln for ln in _lines(pytester.path / "r.jsonl")}["test_q.py::test_crash"]
+    assert crashed["crashed"] is True and crashed["outcome"] == "error" and crashed["episode"] is None
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_rerun_attempts_are_marked_and_not_counted_as_episodes(pytester: pytest.Pytester, smol_state: Path,
+                                                               workers: list[str]) -> None:
+    # smol_episodes(2) is 2 episodes however often pytest-rerunfailures runs each: an attempt it
+    # runs again keeps its line (its own fresh guest, its failure), marked "rerun", counted nowhere.
+    pytest.importorskip("pytest_rerunfailures", reason="needs pytest-rerunfailures (pip install "
+                        "pytest-rerunfailures; noxfile.py's newest cell installs it)")
+    pytester.makepyfile(test_rr="""
+        import pytest
+
+        SEEN = set()
+
+        @pytest.mark.smol_episodes(2)
+        def test_ep(smol_vm, smol_episode):
+            first = smol_episode.index not in SEEN
+            SEEN.add(smol_episode.index)
+            smol_episode.record(0.0 if first else 1.0)
+            assert not first
+    """)
+    result = pytester.runpytest_subprocess("-p", "rerunfailures", "--reruns", "1", "-q", "-p", "no:randomly",
+                                           "--smol-results=r.jsonl", *workers)
+    outcomes = result.parseoutcomes()
+    assert (outcomes.get("passed"), outcomes.get("rerun"), outcomes.get("failed")) == (2, 2, None), outcomes
+    path = pytester.path / "r.jsonl"
+    lines = _lines(path)
+    assert sorted((ln["episode"], ln["outcome"], ln["reward"]) for ln in lines) == [
+        (0, "passed", 1.0), (0, "rerun", 0.0), (1, "passed", 1.0), (1, "rerun", 0.0)]
+    reruns = [ln for ln in lines if ln["outcome"] == "rerun"]
+    assert all(ln["cause"] == "failed" and ln["message"].startswith("assert not") for ln in reruns)
+    assert len({vm for ln in lines for vm in ln["vms"]}) == 4  # a fresh guest per attempt
+    result.stdout.fnmatch_lines([
+        "test_rr.py::test_ep: 2 episodes (1 task), 2 passed, pass@1 1.000, pass@2 1.000, reward 1.000 ± 0.000",
+        "smolvm: 4 result line(s) in *r.jsonl (2 of them rerun attempts, not counted as episodes)"])
+    done = subprocess.run([sys.executable, "-m", "pytest_smolvm.cli", "results", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"{path}: 2 episodes (2 rerun attempts not counted)" in done.stdout
+    assert _table_row(done.stdout, "test_rr.py::test_ep") == ["1", "2", "2", "1.000", "1.000", "2", "1.000",
+                                                               "0.000", "1.000", "1.000", "0"]
+    assert "outcomes: passed 2 (2 rerun attempts not counted)" in done.stdout
+
 @pytest.mark.parametrize(("marker", "message"), [
     ("smol_episodes(0)", "test_bad.py::test_x: @pytest.mark.smol_episodes(n=0): n must be a positive integer"),
     ("smol_episodes('3')", "*@pytest.mark.smol_episodes(n='3'): n must be a positive integer"),
@@ -341,5 +430,7 @@ def test_a_failed_episodes_locals_do_not_outlive_its_report(pytester: pytest.Pyt
         kind="async " if kind == "async" else "",
         exec_false='(await smol_vm.aio.exec("false"))' if kind == "async" else 'smol_vm.exec("false")'))
     extra = ["--smol-concurrency=4"] if kind == "async" else []
-    result = pytester.runpytest_subprocess("--smol-backend=namespace", "-p", "no:randomly", *extra)
+    # pytest-rerunfailures, where installed, keeps every failure's exception on its item itself
+    result = pytester.runpytest_subprocess("--smol-backend=namespace", "-p", "no:randomly", "-p", "no:rerunfailures",
+                                           *extra)
     result.assert_outcomes(failed=4, passed=1)

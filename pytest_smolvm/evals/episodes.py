@@ -5,7 +5,9 @@
   exactly the same ids and seeds (xdist requires identical collection).
 - ``smol_episode`` gives the test ``.index``, ``.seed`` and ``.record(reward, **info)``.
 - ``--smol-results=PATH``: the process that ran a test appends its line the moment the test's
-  teardown report exists: one ``write()`` of one whole line, ``O_APPEND``, under ``flock`` on the
+  teardown report is logged (at once after it is made; pytest-rerunfailures logs an attempt's
+  reports once it has decided whether to run it again, and a rerun attempt's line says
+  ``"outcome": "rerun"``): one ``write()`` of one whole line, ``O_APPEND``, under ``flock`` on the
   file itself. A worker that dies later has already put its finished lines on disk; lines of
   concurrent workers never interleave. The controller (or the only process) truncates the file
   once, before any worker starts, and writes the line of a test whose worker crashed under it.
@@ -16,12 +18,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
 import numbers
-import os
 import re
 import warnings
 from collections.abc import Generator, Mapping
@@ -35,6 +35,7 @@ from pytest_smolvm.backends.base import egress_counts
 from pytest_smolvm.evals import causes
 from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.glue import PluginGlue
+from pytest_smolvm.evals.lines import append_line
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
 from pytest_smolvm.session.live import branched_from
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
 REWARD_PROPERTY = "smolvm_reward"
 SCHEMA_VERSION = 2  # 2: cause and artifacts (docs/evals.md); readers take 1 as well
+RERUN = "rerun"  # pytest-rerunfailures' outcome of an attempt it runs again (evals/reward.py)
 _CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
 
 
@@ -120,37 +122,6 @@ def parse_marker(mark: pytest.Mark, where: str) -> tuple[int, int]:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"{label}(seed={seed!r}): seed must be an integer")
     return n, seed
-
-
-# ---------------------------------------------------------------------- results file
-
-
-def append_line(path: Path, line: Mapping[str, Any]) -> None:
-    """Append one JSON line: one whole ``write()``, ``O_APPEND``, under an exclusive ``flock``.
-
-    The lock is on the results file itself (no lock file to clean up); closing the fd releases it.
-    """
-    data = (json.dumps(line, allow_nan=False, separators=(",", ":"), default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        view = memoryview(data)
-        while view:  # a regular file takes it in one go; the loop only guards against a short write
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-
-
-def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The lines of a results file (a torn last line, from a host crash, is skipped)."""
-    lines = []
-    with open(path, encoding="utf-8") as f:
-        for raw in f:
-            try:
-                lines.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue
-    return lines
 
 
 def _short_message(report: pytest.TestReport) -> str:
@@ -256,6 +227,10 @@ class EpisodesPlugin:
         self.controller = controller
         self.lines: list[dict[str, Any]] = []  # controller: every result line seen, for the summary
         self.write_failed = False
+        # This process's lines made but not yet logged (written once their teardown report is),
+        # and the tests whose attempt in progress pytest-rerunfailures will run again.
+        self.unlogged: dict[str, dict[str, Any]] = {}
+        self.rerun: set[str] = set()
 
     # -------------------------------------------------------------- results
 
@@ -263,6 +238,11 @@ class EpisodesPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
             None, pytest.TestReport, pytest.TestReport]:
         report = yield
+        if report.when == "setup" and (stale := self.unlogged.pop(item.nodeid, None)) is not None:
+            # The last attempt's reports were never logged: pytest-rerunfailures with an xdist too
+            # old for it drops the reports of an attempt it runs again.
+            stale["outcome"] = RERUN
+            self.write(stale)
         reports = (state := item.stash.setdefault(REPORTS_KEY, _Reports())).by_phase
         reports[report.when] = report
         if call.excinfo is not None:
@@ -275,7 +255,9 @@ class EpisodesPlugin:
             setattr(report, self.glue.result_attr, line)
             if line.get("reward") is not None:
                 report.user_properties = [*report.user_properties, (REWARD_PROPERTY, line["reward"])]
-            self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
+            # Written when the report is logged, in this process: pytest logs it at once, and
+            # pytest-rerunfailures once it knows whether the attempt is a rerun (logreport below).
+            self.unlogged[item.nodeid] = line
         if report.when == "teardown":
             # The phases' exceptions hold their tracebacks, and those the test's frames: kept on
             # the item (which pytest keeps to the end), every failed episode's locals would too.
@@ -343,14 +325,24 @@ class EpisodesPlugin:
             except OSError as exc:
                 raise pytest.UsageError(f"--smol-results={self.results}: cannot create it: {exc}") from None
 
+    @pytest.hookimpl(tryfirst=True)  # a worker's line is marked a rerun before xdist sends the report on
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not self.controller:
-            return
+        if report.outcome == RERUN and report.when in ("setup", "call"):  # pytest-rerunfailures runs it again
+            self.rerun.add(report.nodeid)
         if report.when == "teardown":
             line = getattr(report, self.glue.result_attr, None)
-            if isinstance(line, dict):
+            rerun = report.nodeid in self.rerun or report.outcome == RERUN
+            self.rerun.discard(report.nodeid)
+            if not isinstance(line, dict):
+                return
+            if rerun:
+                line["outcome"] = RERUN  # the test's last attempt is its episode; this one is not
+            if self.unlogged.get(report.nodeid) is line:  # made in this process: its line to write
+                del self.unlogged[report.nodeid]
+                self.write(line)  # now, in the process that ran the test: a later crash cannot lose it
+            if self.controller:
                 self.lines.append(line)
-        elif str(report.when) == "???":  # xdist's report for a test whose worker died under it
+        elif self.controller and str(report.when) == "???":  # xdist's report for a test whose worker died under it
             line = self.crashed_line(report)
             self.lines.append(line)
             self.write(line)
@@ -364,7 +356,8 @@ class EpisodesPlugin:
             "function": match["function"] if match else report.nodeid.split("[")[0],
             "case": (match["case"] or "") if match else "", "params": {},
             "episode": int(match["index"]) if match else None, "episodes": None, "seed": None,
-            "outcome": "error", "cause": "crashed", "message": str(report.longrepr)[:500], "reward": None,
+            "outcome": RERUN if report.outcome == RERUN else "error",  # pytest-rerunfailures runs it again
+            "cause": "crashed", "message": str(report.longrepr)[:500], "reward": None,
             "info": {}, "durations": {}, "vms": [], "artifacts": None, "backend": self._backend(), "baseline": None,
             "baseline_digest": None, "worker": worker, "run_id": self.run.run_id, "crashed": True,
         }
@@ -391,7 +384,9 @@ class EpisodesPlugin:
             for text in texts:
                 terminalreporter.line(text)
         if self.results is not None and verbosity >= -1:
-            terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}")
+            reruns = sum(line.get("outcome") == RERUN for line in self.lines)
+            terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}"
+                                  + (f" ({reruns} of them rerun attempts, not counted as episodes)" if reruns else ""))
 
 
 def _spec_of(item: pytest.Item) -> EpisodeSpec | None:

@@ -13,6 +13,9 @@ The convention (docs/evals.md, "One reward convention"):
   would flatter the task that crashes most;
 - skipped and xfailed episodes are not attempts: no score, as pass@k leaves them out.
 
+A rerun attempt (pytest-rerunfailures ran the test again: its line's outcome is ``rerun``) is not
+an episode at all: the test's last attempt is. ``final`` leaves rerun attempts out.
+
 Wherever a mean is shown, the count of episodes scored 0 for want of a reward is shown beside it.
 Light on purpose: the summary imports it at pytest start-up.
 """
@@ -26,11 +29,36 @@ from typing import Any
 
 NOT_ATTEMPTED = ("skipped", "xfailed")
 PASSED = ("passed", "xpassed")
+RERUN = "rerun"  # pytest-rerunfailures' outcome of an attempt it ran again
+
+
+def is_rerun(line: dict[str, Any]) -> bool:
+    """An attempt that pytest-rerunfailures ran again: not an episode, the last attempt is."""
+    return line.get("outcome") == RERUN
+
+
+def final(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``lines`` without rerun attempts: one line per test, its last attempt's."""
+    return [ln for ln in lines if not is_rerun(ln)]
 
 
 def is_episode(line: dict[str, Any]) -> bool:
-    """An eval line: an episode of a ``smol_episodes`` test, a recorded reward, or a crash."""
-    return line.get("episodes") is not None or line.get("reward") is not None or bool(line.get("crashed"))
+    """An eval line: an episode of a ``smol_episodes`` test (a crashed one too: its id names the
+    episode) or a recorded reward. A rerun attempt is none."""
+    if is_rerun(line):
+        return False
+    return (line.get("episodes") is not None or line.get("reward") is not None
+            or (bool(line.get("crashed")) and line.get("episode") is not None))
+
+
+def episode_lines(lines: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines of test functions that have episodes or recorded rewards: ``is_episode`` lines,
+    and the crashed lines of those functions (the controller's line of a test whose worker died
+    knows only its id: an id without an episode part may still be one of the function's tasks).
+    A crashed test of any other function has no episodes and no reward: it is no eval line."""
+    kept = final(lines)
+    functions = {line.get("function") for line in kept if is_episode(line)}
+    return [line for line in kept if is_episode(line) or (line.get("crashed") and line.get("function") in functions)]
 
 
 def attempted(line: dict[str, Any]) -> bool:

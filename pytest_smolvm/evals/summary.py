@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from math import comb
 from typing import Any
 
-from pytest_smolvm.evals.reward import canonical, is_episode, scores
+from pytest_smolvm.evals.reward import canonical, episode_lines, scores
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def summarize(lines: list[dict[str, Any]]) -> list[SummaryRow]:
     """A row per test function that has episodes or recorded rewards, each followed by a row per
-    task when it has more than one.
+    task when it has more than one. Rerun attempts (pytest-rerunfailures) are no episodes, and a
+    crashed test is one only of such a function (``reward.episode_lines``).
 
     Skipped and xfailed episodes are not attempts and are left out of pass@1/pass@k; errors
     count as fails. pass@1 and pass@k are the unbiased estimator averaged over tasks, with k the
@@ -55,9 +56,8 @@ def summarize(lines: list[dict[str, Any]]) -> list[SummaryRow]:
     over every attempted episode's score (``evals/reward.py``: a failure without a reward scores 0).
     """
     functions: dict[str, list[dict[str, Any]]] = {}
-    for line in canonical(lines):  # sorted: the same rows whatever order the workers wrote
-        if is_episode(line):
-            functions.setdefault(line["function"], []).append(line)
+    for line in canonical(episode_lines(lines)):  # sorted: the same rows whatever order the workers wrote
+        functions.setdefault(line["function"], []).append(line)
     rows = []
     for function, group in functions.items():
         tasks: dict[str, list[dict[str, Any]]] = {}
@@ -121,8 +121,11 @@ def format_table(rows: Sequence[SummaryRow]) -> list[str]:
 
 
 def format_compact(rows: Sequence[SummaryRow]) -> list[str]:
+    """One line per row; pass@k only where k > 1 (pass@1 is shown already; k = 0: no attempt)."""
     return [f"{r.label.strip() if r.task is None else r.label}: {_count(r.episodes, 'episode')}"
             + (f" ({_count(r.tasks, 'task')})" if r.task is None else "")
-            + f", {r.passed} passed, pass@1 {_num(r.pass_at_1)}, pass@{r.k} {_num(r.pass_at_k)}, reward {_reward(r)}"
+            + f", {r.passed} passed, pass@1 {_num(r.pass_at_1)}"
+            + (f", pass@{r.k} {_num(r.pass_at_k)}" if r.k > 1 else "")
+            + f", reward {_reward(r)}"
             + (f" ({r.zeroed} failed without a reward, scored 0)" if r.zeroed else "")
             for r in rows]

@@ -32,9 +32,9 @@ class HtmlSection:
     def section(self, lines: list[dict[str, Any]]) -> str:
         from pytest_smolvm.evals.results.figures import METHOD, eval_lines, run_figures
         from pytest_smolvm.evals.results.svg import esc
-        from pytest_smolvm.evals.reward import is_episode
+        from pytest_smolvm.evals.reward import episode_lines
 
-        lines = [ln for ln in lines if is_episode(ln)]
+        lines = episode_lines(lines)
         if not lines:
             return ""
         where = getattr(self.config.option, "htmlpath", None)

@@ -23,7 +23,7 @@ from pytest_smolvm.backends.namespace import branch as nsbranch
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.errors import GuestError
-from pytest_smolvm.evals.episodes import read_results
+from pytest_smolvm.evals.lines import read_results
 from pytest_smolvm.host.procs import is_alive
 from pytest_smolvm.host.registry import records
 from pytest_smolvm.session.pool import READY_TEST_ID

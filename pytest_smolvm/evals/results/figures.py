@@ -21,7 +21,7 @@ from pytest_smolvm.evals.results.episode_plots import Mark, distribution, ecdf
 from pytest_smolvm.evals.results.load import CAUSES, cause
 from pytest_smolvm.evals.results.stats import BOOTSTRAP_RESAMPLES, bootstrap, pass_at_k_curve
 from pytest_smolvm.evals.results.svg import Span, esc
-from pytest_smolvm.evals.reward import NOT_ATTEMPTED, attempted, canonical, is_episode, score, scores, task_of
+from pytest_smolvm.evals.reward import NOT_ATTEMPTED, attempted, canonical, episode_lines, final, score, scores, task_of
 
 CONVENTION = ("An episode's reward is the one it recorded; an episode that recorded none scores 1 if it "
               "passed and 0 if it failed, errored, timed out or crashed (hollow dots); skipped episodes "
@@ -34,9 +34,9 @@ HOLLOW = "no reward recorded: pass 1, fail 0"
 
 
 def eval_lines(lines: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The episodes, in canonical order: lines with an episode number, a reward or a crash; every
-    line if none has."""
-    return canonical([ln for ln in lines if is_episode(ln)] or lines)
+    """The episodes, in canonical order (``reward.episode_lines``); every line but rerun attempts
+    if none is one."""
+    return canonical(episode_lines(lines) or final(lines))
 
 
 def duration(line: dict[str, Any]) -> float | None:

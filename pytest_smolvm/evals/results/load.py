@@ -27,7 +27,7 @@ def read(path: Path) -> list[dict[str, Any]]:
     lines = []
     rows = text.splitlines()
     if rows and not text.endswith("\n"):
-        rows.pop()  # a torn last line (the host went down mid-write), as episodes.read_results does
+        rows.pop()  # a torn last line (the host went down mid-write), as lines.read_results does
     for number, raw in enumerate(rows, 1):
         if not raw.strip():
             continue

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_smolvm.evals.reward import canonical, score, task_of
+from pytest_smolvm.evals.reward import canonical, final, score, task_of
 from pytest_smolvm.evals.summary import pass_at_k
 
 BOOTSTRAP_SEED = 29
@@ -96,10 +96,11 @@ class TaskDifference:
 def compare(base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]]) -> list[TaskDifference]:
     """Per-task score differences (``other`` - ``base``, each episode scored by ``reward.score``),
     episodes paired by (task, seed), falling back to episode index when seeds are absent. Lines
-    are read in canonical order, so a (task, seed) written twice pairs the same one every time."""
+    are read in canonical order, so a (task, seed) written twice pairs the same one every time;
+    a rerun attempt (pytest-rerunfailures) is no episode: its test's last attempt is paired."""
     def keyed(lines: Sequence[dict[str, Any]]) -> dict[tuple[str, Any], float]:
         return {(task_of(ln), ln.get("seed") if ln.get("seed") is not None else ("ep", ln.get("episode"))): s
-                for ln in canonical(lines) if (s := score(ln)) is not None}
+                for ln in canonical(final(lines)) if (s := score(ln)) is not None}
     a, b = keyed(base), keyed(other)
     tasks: dict[str, list[float]] = {}
     for key in a.keys() & b.keys():

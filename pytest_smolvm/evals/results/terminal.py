@@ -11,7 +11,7 @@ from typing import Any
 
 from pytest_smolvm.evals.results.load import CAUSES, cause
 from pytest_smolvm.evals.results.stats import baseline_digests, bootstrap, compare
-from pytest_smolvm.evals.reward import is_episode, scores
+from pytest_smolvm.evals.reward import episode_lines, final, scores
 from pytest_smolvm.evals.summary import SummaryRow, format_table, summarize
 
 DIRECTION_MARK = {"better": "  better", "worse": "  WORSE"}
@@ -19,12 +19,18 @@ DIRECTION_MARK = {"better": "  better", "worse": "  WORSE"}
 
 def _row_lines(lines: Sequence[dict[str, Any]], row: SummaryRow) -> list[dict[str, Any]]:
     """The lines a summary row is computed from."""
-    return [ln for ln in lines if is_episode(ln) and ln["function"] == row.function
+    return [ln for ln in episode_lines(lines) if ln["function"] == row.function
             and (row.task is None or (ln.get("case") or "") == row.task)]
 
 
+def _reruns(lines: Sequence[dict[str, Any]]) -> str:
+    reruns = len(lines) - len(final(lines))
+    return f" ({reruns} rerun attempt{'' if reruns == 1 else 's'} not counted)" if reruns else ""
+
+
 def run_summary(path: Path, lines: Sequence[dict[str, Any]]) -> list[str]:
-    return [f"{path}: {len(lines)} episodes", *format_table(summarize(list(lines))), *details(lines)]
+    return [f"{path}: {len(final(lines))} episodes{_reruns(lines)}", *format_table(summarize(list(lines))),
+            *details(lines)]
 
 
 def details(lines: Sequence[dict[str, Any]]) -> list[str]:
@@ -40,8 +46,8 @@ def details(lines: Sequence[dict[str, Any]]) -> list[str]:
     if intervals:
         out += ["reward mean (a failure without a reward scores 0), 95% bootstrap interval over episodes:",
                 *intervals]
-    counts = Counter(cause(ln) for ln in lines)
-    out.append("outcomes: " + ", ".join(f"{c} {counts[c]}" for c in CAUSES if counts[c]))
+    counts = Counter(cause(ln) for ln in final(lines))  # a rerun attempt is not an outcome: its last attempt is
+    out.append("outcomes: " + ", ".join(f"{c} {counts[c]}" for c in CAUSES if counts[c]) + _reruns(lines))
     return out
 
 
