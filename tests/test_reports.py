@@ -7,11 +7,15 @@ import base64
 import importlib.util
 import json
 import re
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from pytest_smolvm.backends.base import GuestExecResult
+from pytest_smolvm.handle.base import GuestHandle
 from pytest_smolvm.plugin.artifacts import artifact_dirname, cap_text
 
 FAILING = """
@@ -42,6 +46,35 @@ def test_unit_cap_text_and_dirnames() -> None:
     assert artifact_dirname("tests/test_a.py::test_x[task-ep0]") == "tests_test_a.py_test_x_task-ep0"
     long = artifact_dirname("t.py::test[" + "x" * 300 + "]")
     assert len(long) == 113 and long != artifact_dirname("t.py::test[" + "x" * 299 + "y]")
+
+
+def test_unit_an_exec_is_in_the_transcript_from_the_moment_it_is_sent() -> None:
+    class Guest:
+        name = "fake"
+
+        def __init__(self) -> None:
+            self.sent, self.release = threading.Event(), threading.Event()
+
+        def exec(self, argv: list[str], **_: object) -> GuestExecResult:
+            if argv[-1] == "interrupt":
+                raise KeyboardInterrupt
+            self.sent.set()
+            self.release.wait(10)
+            return GuestExecResult(0, b"done\n", b"")
+
+    guest = Guest()
+    vm = GuestHandle(cast("Any", guest))
+    with pytest.raises(KeyboardInterrupt):
+        vm.exec("interrupt")
+    assert re.fullmatch(r"\$ interrupt    \[INTERRUPTED by KeyboardInterrupt, [\d.]+s\]", vm.transcript_text())
+    waiting = threading.Thread(target=vm.exec, args=("wait",))
+    waiting.start()
+    assert guest.sent.wait(10)
+    assert re.search(r"^\$ wait    \[still running, [\d.]+s so far\]$", vm.transcript_text(), re.MULTILINE)
+    guest.release.set()
+    waiting.join(10)
+    assert re.search(r"^\$ wait    \[exit 0, [\d.]+s\]\n  --- stdout \(tail\)\n  done$", vm.transcript_text(),
+                     re.MULTILINE)
 
 
 def test_failed_test_transcript_in_every_sink(pytester: pytest.Pytester, smol_state: Path) -> None:
@@ -242,3 +275,43 @@ def test_a_cut_stream_is_pure_data_and_every_sink_says_it_was_cut(pytester: pyte
     result.stdout.fnmatch_lines(["*--- stdout (tail; the stream was cut at the output limit: its middle is not kept)*"])
     assert (pytester.path / "pure").exists(), result.stdout.str()
     assert "the stream was cut at the output limit" in (pytester.path / "junit.xml").read_text()
+
+
+def test_a_command_interrupted_by_pytest_timeout_is_in_the_transcript(pytester: pytest.Pytester,
+                                                                        smol_state: Path) -> None:
+    # pytest-timeout's signal raises Failed inside the exec's wait: the command never returns, yet
+    # every sink shows it, with what interrupted it; an aio exec is cancelled as its loop closes.
+    pytester.makepyfile("""
+        def test_sleep(smol_vm):
+            smol_vm.exec("echo first-4b1e")
+            smol_vm.exec("sleep 30 # interrupted-9c0d")
+
+        def test_only_sleep(smol_vm):
+            smol_vm.exec("sleep 31 # alone-2f7a")
+
+        async def test_aio_sleep(smol_vm):
+            await smol_vm.aio.exec("sleep 32 # aio-6e3b")
+    """)
+    # func_only: only the test body is timed (a guest's setup on a loaded host may take 2 s itself).
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--smol-backend=namespace", "--timeout=2",
+                                           "--timeout-method=signal", "-o", "timeout_func_only=true",
+                                           "--smol-artifacts=art", "--junitxml=x.xml")
+    result.assert_outcomes(failed=3)
+    out = result.stdout.str()
+    assert "(no commands were run in this guest)" not in out
+    result.stdout.fnmatch_lines(["$ echo first-4b1e    [[]exit 0, *s[]]",
+                                 "$ sleep 30 # interrupted-9c0d    [[]INTERRUPTED by Failed: Timeout*, *s[]]"])
+    result.stdout.fnmatch_lines(["$ sleep 31 # alone-2f7a    [[]INTERRUPTED by Failed: Timeout*, *s[]]"])
+    # The aio exec: still running when the test failed, or already cancelled by the loop's close.
+    result.stdout.fnmatch_lines(["$ sleep 32 # aio-6e3b    [[]*s*[]]"])
+    junit = (pytester.path / "x.xml").read_text()
+    assert "interrupted-9c0d    [INTERRUPTED by Failed: Timeout" in junit and "alone-2f7a" in junit
+    assert "aio-6e3b" in junit
+    transcripts = {p.parent.name.rsplit("_test_", 1)[-1]: p.read_text()
+                   for p in (pytester.path / "art").glob("*/transcript.txt")}
+    assert sorted(transcripts) == ["aio_sleep", "only_sleep", "sleep"], transcripts
+    assert "first-4b1e" in transcripts["sleep"] and "interrupted-9c0d    [INTERRUPTED by" in transcripts["sleep"]
+    assert "alone-2f7a    [INTERRUPTED by" in transcripts["only_sleep"]
+    assert "(no commands were run" not in "".join(transcripts.values())
+    assert re.search(r"aio-6e3b    \[(still running, [\d.]+s so far|CANCELLED, exit \d+, [\d.]+s)\]",
+                     transcripts["aio_sleep"]), transcripts["aio_sleep"]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from pytest_smolvm.backends.base import Cancel, Guest, OutputCallback, VMSpec
 
-from pytest_smolvm.handle.result import DEFAULT, ExecResult, Timeout, TranscriptEntry, _Omitted, _tail
+from pytest_smolvm.handle.result import DEFAULT, ExecResult, Timeout, TranscriptEntry, _Omitted
 
 PAYLOAD = "payload"
 MAX_BRANCHES = 64  # children per call: a typo (branch_batch(10_000)) fails at once, not at the host's limits
@@ -135,19 +135,21 @@ class GuestHandle:
         run_as = guest_user("exec: user", user) if user is not None else self.user
         where = self._guest_path(workdir, "exec") if workdir else None
         started = time.monotonic()
+        # Entered before the command is sent, completed when it ends: a wait that never returns
+        # (pytest-timeout's signal, a KeyboardInterrupt, an abandoned aio exec) still shows it.
+        entry = TranscriptEntry(shown, None, 0.0, started=started)
+        self.transcript.append(entry)
         try:
             raw = self._guest.exec(argv, env=environment, workdir=where, stdin=data, timeout=limit,
                                    output_limit=self.output_limit, user=None if run_as is None else str(run_as),
                                    on_output=on_output, cancel=cancel)
-        except Exception as exc:
-            self.transcript.append(TranscriptEntry(shown, None, time.monotonic() - started, error=str(exc)))
+        except BaseException as exc:
+            entry.interrupted_by(exc)
             raise
         result = ExecResult(shown, raw.exit_code, raw.stdout.decode("utf-8", "replace"),
                             raw.stderr.decode("utf-8", "replace"), time.monotonic() - started,
                             raw.timed_out, raw.stdout, raw.stderr, raw.truncated)
-        self.transcript.append(TranscriptEntry(shown, result.exit_code, result.duration,
-                                               _tail(result.stdout), _tail(result.stderr), result.timed_out,
-                                               error="cancelled" if raw.cancelled else "", truncated=raw.truncated))
+        entry.ended(result, cancelled=raw.cancelled)
         return result.check() if check else result
 
     # ------------------------------------------------------------------ branches

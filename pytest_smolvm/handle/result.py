@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -63,6 +64,12 @@ class ExecResult:
 
 @dataclass
 class TranscriptEntry:
+    """One exec, entered when the command is sent (so that a command that never returns, one
+    interrupted by a signal, a KeyboardInterrupt or a cancel, is in the transcript too) and
+    completed when it ends. ``started`` is set while it runs (``time.monotonic()`` at the start),
+    ``None`` once it ended; ``interrupted`` names what stopped the wait (the command itself may
+    still run in the guest until the guest is destroyed)."""
+
     command: str
     exit_code: int | None
     duration: float
@@ -71,11 +78,43 @@ class TranscriptEntry:
     timed_out: bool = False
     error: str = ""
     truncated: tuple[str, ...] = ()
+    cancelled: bool = False
+    interrupted: str = ""
+    started: float | None = None
+
+    def interrupted_by(self, exc: BaseException) -> None:
+        """Its wait ended in ``exc``: the guest's error, or what stopped the wait (the command
+        may still run in the guest)."""
+        self.duration = time.monotonic() - (self.started or time.monotonic())
+        if isinstance(exc, Exception):
+            self.error = str(exc)
+        else:  # not the guest's answer: Failed from pytest-timeout, a KeyboardInterrupt, a cancel
+            self.interrupted = interruption(exc)
+        self.started = None
+
+    def ended(self, result: ExecResult, *, cancelled: bool) -> None:
+        self.exit_code, self.duration, self.timed_out = result.exit_code, result.duration, result.timed_out
+        self.stdout, self.stderr, self.truncated = _tail(result.stdout), _tail(result.stderr), result.truncated
+        if cancelled:
+            self.cancelled, self.error = True, "cancelled"
+        self.started = None
 
     def render(self) -> str:
-        status = ("TIMED OUT" if self.timed_out else f"exit {self.exit_code}"
-                  if self.exit_code is not None else f"error: {self.error}")
-        lines = [f"$ {self.command}    [{status}, {self.duration:.3f}s]"]
+        if self.started is not None:
+            status = f"still running, {time.monotonic() - self.started:.3f}s so far"
+        else:
+            if self.timed_out:
+                status = "TIMED OUT"
+            elif self.interrupted:
+                status = f"INTERRUPTED by {self.interrupted}"
+            elif self.cancelled:
+                status = f"CANCELLED, exit {self.exit_code}"
+            elif self.exit_code is not None:
+                status = f"exit {self.exit_code}"
+            else:
+                status = f"error: {self.error}"
+            status = f"{status}, {self.duration:.3f}s"
+        lines = [f"$ {self.command}    [{status}]"]
         for label, text in (("stdout", self.stdout), ("stderr", self.stderr)):
             if text:
                 lines.append(f"  --- {label} (tail{_CUT if label in self.truncated else ''})")
@@ -83,3 +122,9 @@ class TranscriptEntry:
         return "\n".join(lines)
 
 
+def interruption(exc: BaseException) -> str:
+    """What interrupted an exec's wait, in one line: ``Failed: Timeout (>2.0s) from pytest-timeout``."""
+    first = next(iter(str(exc).strip().splitlines()), "").rstrip(".")
+    if len(first) > 200:
+        first = first[:200] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

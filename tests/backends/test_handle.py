@@ -386,11 +386,16 @@ def test_aio_cancel_kills_the_guest_command(vm: VM) -> None:
             await task
 
     asyncio.run(main())
+    # In the transcript from the moment it was sent, whether or not its thread has returned yet.
+    (entry,) = [e for e in vm.transcript if e.command == "echo $$ > /tmp/cancel-me; exec sleep 60"]
     pid = vm.read_file("/tmp/cancel-me").decode().strip()
     deadline = time.monotonic() + 10
     while vm.exec(f"test -d /proc/{pid}").exit_code == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert vm.exec(f"test -d /proc/{pid}").exit_code != 0, "the cancelled command still runs in the guest"
+    while entry.started is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert entry.cancelled and entry.render().startswith(f"$ {entry.command}    [CANCELLED, exit ")
 
 
 def test_aio_files_and_output_in_the_loop_thread(vm: VM, tmp_path: Path) -> None:
