@@ -36,6 +36,7 @@ from pytest_smolvm.evals import causes
 from pytest_smolvm.evals import params as line_params
 from pytest_smolvm.evals.glue import PluginGlue
 from pytest_smolvm.evals.lines import append_line
+from pytest_smolvm.evals.reward import RERUN, is_rerun
 from pytest_smolvm.evals.summary import format_compact, format_table, summarize
 from pytest_smolvm.session.live import branched_from
 
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 EPISODE_ARG = "_smolvm_episode"  # the internal parametrize argname; never in a test's signature
 REWARD_PROPERTY = "smolvm_reward"
 SCHEMA_VERSION = 2  # 2: cause and artifacts (docs/evals.md); readers take 1 as well
-RERUN = "rerun"  # pytest-rerunfailures' outcome of an attempt it runs again (evals/reward.py)
 _CRASHED_ID = re.compile(r"^(?P<function>[^\[]+)\[(?:(?P<case>.*)-)?ep(?P<index>\d+)\]$")
 
 
@@ -384,7 +384,7 @@ class EpisodesPlugin:
             for text in texts:
                 terminalreporter.line(text)
         if self.results is not None and verbosity >= -1:
-            reruns = sum(line.get("outcome") == RERUN for line in self.lines)
+            reruns = sum(map(is_rerun, self.lines))
             terminalreporter.line(f"smolvm: {len(self.lines)} result line(s) in {self.results}"
                                   + (f" ({reruns} of them rerun attempts, not counted as episodes)" if reruns else ""))
 
