@@ -37,6 +37,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _reap(args: argparse.Namespace) -> int:
     names = dict.fromkeys(args.names) if args.names else None
+    unknown = [name for name in names or () if name not in {r.name for r in registry.records()}]
     # Naming a guest is asking for it: a kept guest named explicitly goes too.
     report = reap_orphans(include_kept=args.kept or names is not None, names=names)
     if names is None and find_spec("smol") is not None:
@@ -58,7 +59,9 @@ def _reap(args: argparse.Namespace) -> int:
             and (names is None or r.name in names)]
     if live and names is not None:
         print(f"still owned by a running pytest (not touched): {', '.join(live)}", file=sys.stderr)
-    return 1 if report.failed else 0
+    for name in unknown:
+        print(f"pytest-smolvm reap: no guest named {name!r} (see 'pytest-smolvm ls')", file=sys.stderr)
+    return 1 if report.failed else 2 if unknown else 0
 
 
 def _shell(args: argparse.Namespace) -> int:

@@ -315,6 +315,9 @@ def test_the_commands_usage_errors_name_what_is_missing_or_wrong(cli: Any) -> No
     shell = cli("shell")  # the command to run in the guest is optional: only the name is missing
     assert shell.returncode == 2
     assert shell.stderr.splitlines()[-1] == "pytest-smolvm shell: error: the following arguments are required: name"
+    reap = cli("reap", "no-such-guest")  # it said "nothing to reap" and exited 0
+    assert reap.returncode == 2
+    assert reap.stderr.splitlines() == ["pytest-smolvm reap: no guest named 'no-such-guest' (see 'pytest-smolvm ls')"]
     pull = cli("pull", "")  # an empty reference reads as one, quoted as a shell would take it
     assert pull.returncode == 2
     assert pull.stderr.splitlines() == ["pytest-smolvm pull '': not an image reference (names are lowercase "
