@@ -71,13 +71,19 @@ def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester, smol_state: 
     one_line_usage_error(result, *needles)
 
 
-@pytest.mark.parametrize("variable", ["PYTEST_SMOLVM_CACHE_DIR", "PYTEST_SMOLVM_STATE_DIR"])
-def test_a_state_or_cache_dir_that_cannot_be_one_is_a_one_line_usage_error(
-        pytester: pytest.Pytester, smol_state: Path, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
-    """The cache dir failed the first guest's setup with a traceback (FileExistsError, 9 frames)."""
+@pytest.mark.parametrize(("variable", "value", "needle"), [
+    # the cache dir failed the first guest's setup with a traceback (FileExistsError, 9 frames)
+    ("PYTEST_SMOLVM_CACHE_DIR", "/etc/passwd", "$PYTEST_SMOLVM_CACHE_DIR=/etc/passwd: it is not a directory"),
+    ("PYTEST_SMOLVM_STATE_DIR", "/etc/passwd", "$PYTEST_SMOLVM_STATE_DIR=/etc/passwd: it is not a directory"),
+    # accepted silently by a run that pulls nothing; the option's twin was refused at startup
+    ("PYTEST_SMOLVM_REGISTRY_AUTH", "no-colon-here", "$PYTEST_SMOLVM_REGISTRY_AUTH: expected [REGISTRY=]USER:PASSWORD"),
+])
+def test_a_bad_environment_variable_is_a_one_line_usage_error(
+        pytester: pytest.Pytester, smol_state: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str,
+        needle: str) -> None:
     pytester.makepyfile(PASSING)
-    monkeypatch.setenv(variable, "/etc/passwd")
-    one_line_usage_error(pytester.runpytest_subprocess(), f"${variable}=/etc/passwd: it is not a directory")
+    monkeypatch.setenv(variable, value)
+    one_line_usage_error(pytester.runpytest_subprocess(), needle)
 
 
 def test_cli_overrides_ini(pytester: pytest.Pytester, smol_state: Path) -> None:

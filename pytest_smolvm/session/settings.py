@@ -183,11 +183,15 @@ class Settings:
                 if attr == "artifacts":
                     _can_be_a_directory(name, changes[attr])
         auth_value = config.getoption("smol_registry_auth", None)
-        if auth_value is not None:
-            from pytest_smolvm.baselines.oci.auth import parse_auth_option
+        if auth_value is not None or os.environ.get("PYTEST_SMOLVM_REGISTRY_AUTH"):
+            from pytest_smolvm.baselines.oci.auth import AUTH_ENV, parse_auth_option
 
-            parse_auth_option(str(auth_value))  # a malformed value fails here, naming the option
-            changes["registry_auth"] = str(auth_value)
+            # a malformed value fails here, naming the option (or the variable), never quoting it
+            if auth_value is not None:
+                parse_auth_option(str(auth_value))
+                changes["registry_auth"] = str(auth_value)
+            else:
+                parse_auth_option(os.environ[AUTH_ENV], f"${AUTH_ENV}")
         offline = config.getoption("smol_offline", None)
         if offline is None:
             try:
