@@ -361,38 +361,6 @@ def test_a_body_that_spends_its_timeout_is_timed_out_once(pytester: pytest.Pytes
     assert "~ Stack of " not in out[:out.index("Captured stdout call")], "a second dump, to the terminal"
 
 
-def test_a_modules_fixtures_are_torn_down_by_its_last_test_as_serially(pytester: pytest.Pytester,
-                                                                       smol_state: Path) -> None:
-    """pytest tears a module's fixtures down in the teardown of the module's last test, so that
-    is the test a failing module teardown errors (terminal, JUnit): whichever test ends last."""
-    pytester.makepyfile(test_m="""
-        import asyncio
-        import pytest
-
-        DONE = set()
-
-        @pytest.fixture(scope="module")
-        def shared():
-            yield
-            raise RuntimeError("module teardown broke")
-
-        async def test_1_ends_last(smol_vm, shared):
-            for _ in range(40):  # until test_2 has ended, in flight with it; run before it, 2 s
-                if DONE:
-                    return
-                await asyncio.sleep(0.05)
-
-        async def test_2_ends_first(smol_vm, shared):
-            DONE.add(True)
-    """)
-    for mode in ([], ["--smol-concurrency=2"]):
-        result = pytester.runpytest_subprocess(*mode, "-rA", "-p", "no:anyio", "-p", "no:randomly",
-                                               "--smol-backend=namespace")
-        result.assert_outcomes(passed=2, errors=1)
-        result.stdout.fnmatch_lines(["ERROR test_m.py::test_2_ends_first - RuntimeError: module teardown broke"])
-    assert_host_clean(smol_state)
-
-
 def test_pytest_exit_in_a_body_ends_the_run_with_its_code_and_nothing_left(pytester: pytest.Pytester,
                                                                            smol_state: Path) -> None:
     pytester.makepyfile("""

@@ -54,7 +54,6 @@ class _Flight:
     detached: Detached | None = None
     interrupted: bool = False
     ordered: bool = False  # its guest was ordered ahead (premade.py)
-    last: bool = False  # the last of its group pytest handed over: its teardown ends the group's scopes
     deadline: float | None = None  # monotonic: the end of the item's pytest-timeout budget
     setup_warnings: tuple[internals.WarningsState, internals.WarningsState] | None = None  # at its start, end
 
@@ -195,7 +194,6 @@ class ConcurrentRunner:
             self.upcoming = nextitem
             self._step()
         else:
-            flight.last = True
             self._drain(nextitem)
 
     def _step(self) -> None:
@@ -256,8 +254,6 @@ class ConcurrentRunner:
                 # The body ran under the budget (run_body's own timer); its call phase only replays it,
                 # and timed again with what was left (nothing, after a timeout) it timed out twice
                 self._phase(flight, "call", timed=False)
-            if flight.last:
-                await self._others_ended(flight)
             self._phase(flight, "teardown", nextitem=self._next_after(item))
             if self.run.used:
                 self.run.pool.ahead.pace.held(time.monotonic() - holding)
@@ -280,18 +276,6 @@ class ConcurrentRunner:
             internals.end_protocol(item)
             if finished:
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-
-    async def _others_ended(self, flight: _Flight) -> None:
-        """Wait for the rest of ``flight``'s group: pytest tears the scopes they share (a module's
-        fixtures) down after the last test it ran, so that is the teardown a failure there errors,
-        whichever test ends last. The wait is not the item's: its pytest-timeout budget is moved on."""
-        import asyncio
-
-        began = time.monotonic()
-        while others := {f.task for f in self.flights.values() if f is not flight and f.task is not None}:
-            await asyncio.wait(others)
-        if flight.deadline is not None:
-            flight.deadline += time.monotonic() - began
 
     def _next_after(self, item: pytest.Item) -> pytest.Item | None:
         """What teardown may keep set up: a sibling in flight or next in line, else pytest's next."""
