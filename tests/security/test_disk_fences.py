@@ -2,9 +2,9 @@
 
 A namespace guest's files used to live in a tmpfs charged to its memory cgroup, whose limit was
 therefore ``memory_mb`` + ``disk_mb``: a guest asking for 64 MiB ran a 200 MiB process to
-completion while its disk was empty. A guest that asks for its memory now gets an ext4 image of
-its own (backends/namespace/disk.py): its page cache is reclaimable, so files past ``memory_mb``
-are written back while a process past it is OOM-killed, and the image's size is the disk's bound.
+completion while its disk was empty. Every guest now gets an ext4 disk (backends/namespace/disk.py),
+lent from its helper's pool (test_disk_pool.py): its page cache is reclaimable, so files past
+``memory_mb`` are written back while a process past it is OOM-killed, and the disk's size is its bound.
 """
 
 from __future__ import annotations
@@ -102,19 +102,6 @@ def test_files_deleted_a_moment_ago_leave_their_inodes_to_the_next_ones(make_vm:
     assert r.exit_code == 0 and int(r.stdout) == 50, r
 
 
-def test_a_guest_that_names_no_memory_keeps_its_tmpfs_and_the_limit_counts_it(
-        make_vm: Callable[..., VM], ns_backend: NamespaceBackend) -> None:
-    """The deliberate split (docs/performance.md: an ext4 disk costs ~4-5 ms a guest): the default
-    guest's 2 GiB processes share their cgroup with its 2 GiB tmpfs disk."""
-    if "memory" not in ns_backend.limits.parents:
-        pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
-    vm = make_vm(disk_mb=128)
-    guest = vm._guest
-    assert isinstance(guest, NamespaceGuest) and guest.disk == "tmpfs"
-    from pytest_smolvm.limits import LIMITS
-    assert _memory_limit(guest) == (LIMITS.memory_mb + 128) * MIB
-
-
 def test_a_damaged_disk_template_fails_closed_and_leaves_nothing(
         make_vm: Callable[..., VM], ns_backend: NamespaceBackend, security_env: Path) -> None:
     size = 37  # a size no other test uses: its template is this test's alone
@@ -125,14 +112,15 @@ def test_a_damaged_disk_template_fails_closed_and_leaves_nothing(
             f.seek(1024)
             f.write(bytes(1024))
         before = sorted(p.name for p in (security_env / "scratch").iterdir())
+        disks_before = loop_devices(security_env)  # the first guest's own, and the pool's idle ones
         with pytest.raises(ProvisionError) as raised:
             make_vm(memory_mb=64, disk_mb=size)
         assert "\n" not in str(raised.value) and "ext4" in str(raised.value), raised.value
         assert sorted(p.name for p in (security_env / "scratch").iterdir()) == before
         deadline = time.monotonic() + 3
-        while len(loop_devices(security_env)) > 1 and time.monotonic() < deadline:  # the first guest's own
+        while loop_devices(security_env) != disks_before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(loop_devices(security_env)) == 1, loop_devices(security_env)
+        assert loop_devices(security_env) == disks_before
     finally:
         template.unlink()  # the next run makes it again
 
@@ -167,13 +155,18 @@ def test_a_killed_pytest_leaves_no_disk_behind(pytester: pytest.Pytester, smol_s
     assert cli("reap").returncode == 0
 
 
-def test_a_resolved_spec_picks_the_disk_by_whether_the_test_named_its_memory(ns_backend: NamespaceBackend) -> None:
-    """Through the pool's one resolved spec (session/spec.py fills in the default memory): a
-    guest whose test named ``memory_mb`` gets the ext4 disk, one that took the default keeps
-    the tmpfs (the +3 ms disk is not paid by every guest)."""
+def test_a_guest_that_names_no_memory_gets_that_memory_alone_and_a_disk_of_its_own(
+        ns_backend: NamespaceBackend) -> None:
+    """The issue's rule for every guest, through the pool's one resolved spec (session/spec.py
+    fills in the default memory): the default guest's processes get the default 2 GiB and its
+    files an ext4 disk, as a guest that names 64 MiB gets 64 MiB. Before, a guest that took the
+    default kept a tmpfs disk and a limit of memory + disk (4 GiB)."""
     from pytest_smolvm import Session
+    from pytest_smolvm.limits import LIMITS
 
     _require_ext4_disks(ns_backend)
     with Session(backend="namespace") as session:
         named, default = session.create(memory_mb=64), session.create()
-        assert [getattr(vm._guest, "disk", None) for vm in (named, default)] == ["ext4", "tmpfs"]
+        guests = [vm._guest for vm in (named, default)]
+        assert all(isinstance(guest, NamespaceGuest) and guest.disk == "ext4" for guest in guests)
+        assert [_memory_limit(guest) for guest in guests] == [64 * MIB, LIMITS.memory_mb * MIB]  # type: ignore[arg-type]

@@ -76,12 +76,13 @@ class NamespaceBackend:
         limits = cgroups.detect()
         refused = [key for key, controller in UNENFORCEABLE.items() if controller not in limits.parents]
         applied = limits.summary + (f"; a test naming {' or '.join(refused)} errors here" if refused else "")
+        kind = "an ext4 disk each" if disk is None else "a tmpfs each"
         if "memory" not in limits.parents:
-            disks = "a tmpfs each, bounded by disk_mb; no memory limit here"
+            disks = f"{kind}, bounded by disk_mb; no memory limit here"
         elif disk is None:
-            disks = "an ext4 image each where memory_mb is asked for (memory_mb bounds the processes), else a tmpfs"
+            disks = f"{kind}, bounded by disk_mb (memory_mb bounds the processes alone)"
         else:
-            disks = f"a tmpfs each, charged to memory_mb as well ({disk})"
+            disks = f"{kind}, charged to memory_mb as well ({disk})"
         return [f"limits: {applied}", f"guests run {mode}", f"disks: {disks}"]
 
     @classmethod
@@ -143,7 +144,7 @@ class NamespaceBackend:
         relax = set(spec.relax)
         bpf = "" if "seccomp" in relax else seccomp.guest_filter().hex()  # raises the install hint
         images, why_not = self._disks
-        disk = _nsdisk.kind(spec.memory_mb is not None and "memory_mb" not in spec.defaulted, why_not)
+        disk = _nsdisk.kind(why_not)
         cgroup_dirs: list[str] = []
         try:
             disk_request = _nsdisk.request(spec.disk_mb, images) if disk == "ext4" else None

@@ -6,16 +6,14 @@ disk is killed for memory instead of told ENOSPC), so a guest asking for 64 MiB 
 200 MiB process while its disk was empty. An **ext4** disk is a file on the host's disk,
 attached to a loop device and mounted in the guest's own mount namespace: its page cache is
 reclaimable, so the cgroup's limit is ``memory_mb`` alone (a process past it is OOM-killed,
-files past it are written back), and the disk's size is its own bound (ENOSPC). It costs
-~4-5 ms more per guest (benchmarks/disk_cost.py, docs/performance.md), so a guest gets one when
-its ``memory_mb`` was asked for; others keep the tmpfs (their 2 GiB default is generous either
-way). User-namespace mode cannot mount a block device: tmpfs there.
+files past it are written back), and the disk's size is its own bound (ENOSPC).
 
-Nothing of an ext4 disk can outlive its guest, whatever dies when: the image is an unnamed
-``O_TMPFILE`` (no path to leave behind), its loop device clears itself when its last user
-goes (``LO_FLAGS_AUTOCLEAR``), and its only user is the mount in the guest's mount namespace,
-which goes with the guest's last process. The helper makes all of it (``helper/disk.py``);
-this side picks the kind and makes the template, one ``mkfs.ext4`` per host per size.
+Every guest gets an ext4 disk where the host can give one; user-namespace mode (which cannot
+mount a block device) and hosts without loop devices or ``mkfs.ext4`` keep the tmpfs, and the
+run's summary says so. A disk made for each guest cost ~3 ms a guest (docs/performance.md),
+so the helper keeps the disks it makes and lends each to one guest at a time, cleaned between
+guests (``helper/disk.py``). This side picks the kind and makes the template, one
+``mkfs.ext4`` per host per size.
 """
 
 from __future__ import annotations
@@ -63,8 +61,9 @@ def unavailable(userns: bool, images: Path) -> str | None:
     """Why this host cannot give a guest an ext4 disk (None: it can). Read once per process."""
     if userns:
         return "user-namespace mode cannot mount a block device"
-    if _kernel_version() < (5, 8):  # LOOP_CONFIGURE: attached with AUTOCLEAR set, no window without
-        return f"kernel {os.uname().release} is older than 5.8 (no LOOP_CONFIGURE)"
+    # 5.8: LOOP_CONFIGURE (attached with AUTOCLEAR set, no window without); 5.10: a volatile overlay
+    if _kernel_version() < (5, 10):
+        return f"kernel {os.uname().release} is older than 5.10 (no LOOP_CONFIGURE or volatile overlay)"
     if not os.path.exists("/dev/loop-control"):
         return "no /dev/loop-control (no loop devices here)"
     if _mkfs() is None:
@@ -79,9 +78,9 @@ def unavailable(userns: bool, images: Path) -> str | None:
     return None
 
 
-def kind(memory_asked: bool, reason: str | None) -> str:
-    """"ext4" where the guest asked for its memory and the host can give it a disk of its own."""
-    return "ext4" if memory_asked and reason is None else "tmpfs"
+def kind(reason: str | None) -> str:
+    """"ext4" where the host can give a guest a disk of its own (``reason`` is why it cannot)."""
+    return "ext4" if reason is None else "tmpfs"
 
 
 def template(disk_mb: int) -> Path:

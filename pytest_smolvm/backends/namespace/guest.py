@@ -316,6 +316,9 @@ class NamespaceGuest:
     def destroy(self) -> None:
         if self._destroyed:
             return
+        # First: an ext4 disk goes back to the helper's pool when the init is gone, and is
+        # cleaned only if nothing of the guest's is held then (helper/disk.py).
+        self._close_upper()
         self._channel.close()
         destroy_recorded(self.registry_data())  # may raise; a retry starts over
         if self.nat is not None:
@@ -326,7 +329,6 @@ class NamespaceGuest:
         for fd in self.namespaces.values():
             os.close(fd)
         self.namespaces = {}
-        self._close_upper()
         self._destroyed = True
 
 

@@ -119,6 +119,15 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+def _close_all_but(keep: set[int]) -> None:
+    """Close every fd >= 3 not in ``keep``: a few close_range(2) calls, no /proc/self/fd listing."""
+    low = 3
+    for fd in sorted(k for k in keep if k >= low):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
     _check(
         _libc.mount(

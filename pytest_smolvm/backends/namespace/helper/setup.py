@@ -40,6 +40,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     PR_SET_DUMPABLE,
     SYS_PIVOT_ROOT,
     _check,
+    _close_all_but,
     _drop_capabilities,
     _libc,
     _load_seccomp,
@@ -57,26 +58,32 @@ IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40  # linux/if.h
 
 
 def _mount_root(req: dict[str, Any]) -> str:
-    """Scratch disk (an ext4 image or a tmpfs: backends/namespace/disk.py), overlay root and a
-    minimal /dev, all in the guest's private mount ns."""
+    """Scratch disk (an ext4 disk or a tmpfs: backends/namespace/disk.py), overlay root and a
+    minimal /dev, all in the guest's private mount ns. Returns the root; its upper layer is
+    the ``upper`` beside it."""
     scratch = req["scratch"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-    if req.get("disk"):
-        mount_disk(req["disk"], scratch)
+    if req.get("disk_fd") is not None:  # an ext4 disk the zygote lends this guest (helper/disk.py)
+        base = mount_disk(req["disk_fd"], scratch)
     else:
         _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
-    upper, work, root = (os.path.join(scratch, d) for d in ("upper", "work", "root"))
+        base = scratch
+    upper, work, root = (os.path.join(base, d) for d in ("upper", "work", "root"))
     for d in (upper, work, root):
         os.mkdir(d)
     # The guest reads its root's mount options in /proc/self/mountinfo: name the layers by
-    # fd and relative to the scratch dir, never by their host paths.
+    # fd and relative to their dir, never by their host paths.
     lower_fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in req["lower"]]
-    os.chdir(scratch)
+    os.chdir(base)
     try:
         lower = ":".join(f"/proc/self/fd/{fd}" for fd in lower_fds)
         options = f"lowerdir={lower},upperdir=upper,workdir=work"
         if req["userns"]:
             options += ",userxattr"
+        if base != scratch:
+            # The overlay's unmount at the guest's end would sync the whole ext4 (a journal
+            # commit, on the guest's exit path); its files die with it, or are cleaned away.
+            options += ",volatile"
         _mount("smolvm-root", "root", "overlay", 0, options)
     finally:
         os.chdir("/")
@@ -191,15 +198,6 @@ def _enter_root(root: str, req: dict[str, Any]) -> None:
     os.chdir("/")
 
 
-def _close_all_but(keep: set[int]) -> None:
-    """Close every fd >= 3 not in ``keep``: a few close_range(2) calls, no /proc/self/fd listing."""
-    low = 3
-    for fd in sorted(k for k in keep if k >= low):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
-
-
 def _join_cgroups(procs_files: list[str]) -> None:
     # "0" is the writer itself, whatever pid namespace it is in.
     for path in procs_files:
@@ -239,6 +237,8 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
     """
     try:
         keep = {ctl.fileno(), report_w}
+        if req.get("disk_fd") is not None:
+            keep.add(req["disk_fd"])  # the zygote's other disks, lent to other guests, are closed here
         devnull = os.open("/dev/null", os.O_RDWR)
         for target in (0, 1, 2):
             os.dup2(devnull, target)
@@ -263,7 +263,7 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         _check(_prctl(PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
         root = _mount_root(req)
         if req.get("send_upper"):
-            _send_upper(ctl, req["scratch"])
+            _send_upper(ctl, os.path.join(os.path.dirname(root), "upper"))
         if not req["userns"]:
             _become_init(root, req, ctl, report_w)
         ready_r, ready_w = os.pipe()
@@ -285,12 +285,12 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         os._exit(1)
 
 
-def _send_upper(ctl: socket.socket, scratch: str) -> None:
+def _send_upper(ctl: socket.socket, upper: str) -> None:
     """Hand the host the guest's upper layer as a directory fd, for ``vm.branch`` (the host
     copies it by fd-only walks while the guest is frozen: backends/namespace/branch.py). Sent
-    before any guest code runs, so the path opened is still the tmpfs just mounted; after the
+    before any guest code runs, so the path opened is still the disk just mounted; after the
     pivot nothing names it. The last message on the control socket before the init serves."""
-    fd = os.open(os.path.join(scratch, "upper"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         socket.send_fds(ctl, [json.dumps({"upper": True}).encode()], [fd])
     finally:

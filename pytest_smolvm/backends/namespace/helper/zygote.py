@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from pytest_smolvm.backends.namespace.helper.disk import Disk, DiskError, DiskPool
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWPID,
     JANITOR_WAIT,
@@ -36,12 +37,23 @@ from pytest_smolvm.backends.namespace.helper.setup import _setup_guest
 class _Creating:
     """A guest whose setup process is at work: the zygote serves other requests meanwhile."""
 
-    def __init__(self, req: dict[str, Any], own_pid_ns: int) -> None:
+    def __init__(self, req: dict[str, Any], own_pid_ns: int, disks: DiskPool) -> None:
         self.id = req.get("id")
         self.janitor = _janitor(req, [os.path.dirname(p) for p in req["cgroup_procs"]])
-        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        report_r, report_w = os.pipe2(os.O_CLOEXEC)
         one_fork = not req["userns"]
+        # An ext4 disk lent to this guest (helper/disk.py); its setup mounts it through this fd.
+        # Only as root, where the setup process is the guest's init: its pidfd says when it is free.
+        self.disk: Disk | None = disks.take(req["disk"]) if req.get("disk") and one_fork else None
+        self.pidfd = -1
+        if self.disk is not None:
+            req["disk_fd"] = self.disk.loop
+        try:
+            host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            report_r, report_w = os.pipe2(os.O_CLOEXEC)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+            raise
         pid = -1
         try:
             if one_fork:
@@ -58,10 +70,14 @@ class _Creating:
                 if pid < 0:
                     os.close(report_r)
                     host_end.close()
+                    if self.disk is not None:
+                        self.disk.close()
         if pid == 0:
             os.close(report_r)
             host_end.close()
             _setup_guest(req, guest_end, report_w)
+        if self.disk is not None:
+            self.pidfd = os.pidfd_open(pid)  # our unreaped child: its pid cannot be another's yet
         self.pid, self.report_r, self.host_end, self.raw = pid, report_r, host_end, b""
 
     def read(self) -> tuple[dict[str, Any], list[int]] | None:
@@ -191,6 +207,8 @@ def zygote(sock: socket.socket) -> None:
     guests: dict[int, dict[str, Any]] = {}  # init pid -> what to remove if our owner dies
     expected: dict[str, dict[str, Any]] = {}  # guest name -> what to remove if our owner dies before its create
     creating: dict[int, _Creating] = {}  # report pipe -> a guest being set up
+    disks = DiskPool()
+    lent: dict[int, tuple[int, Disk]] = {}  # pidfd of a guest's init -> its pid and the disk lent to it
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
@@ -202,7 +220,17 @@ def zygote(sock: socket.socket) -> None:
                 done = creating[fd].read()
                 if done is not None:
                     poller.unregister(fd)
-                    _reply(sock, creating.pop(fd), *done, guests)
+                    job = creating.pop(fd)
+                    _reply(sock, job, *done, guests)
+                    _lend(job, "pid" in done[0], lent, poller)
+                continue
+            if fd in lent:  # a guest's init exited: its whole pid namespace, and every mount of it, is gone
+                pid, disk = lent.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                disks.give_back(disk)
                 continue
             try:
                 message, fds = _recv(sock)
@@ -224,7 +252,10 @@ def zygote(sock: socket.socket) -> None:
                     continue
                 if message["op"] == "create":
                     expected.pop(str(message["name"]), None)
-                    job = _Creating(message, own_pid_ns)
+                    try:
+                        job = _Creating(message, own_pid_ns, disks)
+                    except DiskError as exc:
+                        raise _Refused(str(exc)) from None
                     creating[job.report_r] = job
                     poller.register(job.report_r, select.POLLIN)
                     continue
@@ -232,12 +263,31 @@ def zygote(sock: socket.socket) -> None:
                     reply: dict[str, Any] = {"ok": True}
                 else:
                     reply = {"error": f"unknown op {message['op']!r}"}
+            except _Refused as exc:
+                reply = {"error": str(exc)}
             except Exception as exc:  # the zygote must outlive any one failed request
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
             reply["id"] = message.get("id")
             with contextlib.suppress(OSError):
                 _send(sock, reply)
     _clean_after_owner(guests, expected, owner)
+
+
+class _Refused(Exception):
+    """A request refused with a message of its own (no exception type before it)."""
+
+
+def _lend(job: _Creating, made: bool, lent: dict[int, tuple[int, Disk]], poller: select.poll) -> None:
+    """Watch the init of a guest made on a disk, to take the disk back when it is gone; a disk
+    whose guest was not made is dropped (its setup process exited before its reply was read)."""
+    if job.disk is None:
+        return
+    if made:
+        lent[job.pidfd] = (job.pid, job.disk)
+        poller.register(job.pidfd, select.POLLIN)
+    else:
+        os.close(job.pidfd)
+        job.disk.drop()
 
 
 def _janitor(req: dict[str, Any], cgroup_dirs: list[str]) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""A guest's ext4 disk is lent to the next guest only clean (backends/namespace/helper/disk.py).
+
+The helper keeps the disks it makes and lends each to one guest at a time: what a guest leaves
+on its disk is removed when its init has been reaped, by an fd walk that follows no link and
+stops at a budget, or the disk is dropped. The guest is the attacker: it may leave links to host
+paths, deep trees, many files. Each test gives its guests a disk size no other test uses, so the
+disk it watches is its own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pytest_smolvm.backends.namespace import disk
+from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.backends.namespace.helper import disk as pool
+from pytest_smolvm.handle.vm import VM
+from tests import tools
+from tests.leaks import loop_devices
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _ext4_disks(ns_backend: NamespaceBackend) -> None:
+    tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
+    why = disk.unavailable(ns_backend.userns, disk.images_dir())
+    if why:
+        pytest.skip(f"no ext4 guest disks on this host: {why}")
+
+
+def _disks_of(state: Path, size_mb: int) -> list[str]:
+    """The loop devices of the guest disks of ``size_mb`` (``name: backing file``)."""
+    return [line for line in loop_devices(state)
+            if int(Path("/sys/block", line.split(":")[0], "size").read_text()) * 512 == size_mb * MIB]
+
+
+def _lifetime_writes_kib(line: str) -> int:
+    """What the ext4 on that loop device has written since it was made: a disk made afresh starts near 0."""
+    return int(Path("/sys/fs/ext4", line.split(":")[0], "lifetime_write_kbytes").read_text())
+
+
+def _after_its_guest(state: Path, size_mb: int, expect: int) -> list[str]:
+    """The disks of ``size_mb`` once the helper has taken back (or dropped) a destroyed guest's."""
+    deadline = time.monotonic() + 5
+    while len(found := _disks_of(state, size_mb)) != expect and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
+
+
+def test_a_disk_is_lent_again_with_nothing_of_the_guest_before(
+        make_vm: Callable[..., VM], security_env: Path, tmp_path: Path) -> None:
+    size = 43
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep").write_text("host file")
+    first = make_vm(disk_mb=size)
+    # Files, a changed baseline file, a 300-deep tree, a fifo, an xattr, links to a host dir, to
+    # the disk's own root and outside it: the clean must remove each as an entry, following none.
+    r = first.exec(
+        "set -e; head -c 4m /dev/urandom > /workspace/secret; echo guest-a >> /etc/hostname; "
+        "d=/workspace/deep; for i in $(seq 300); do d=$d/d; done; mkdir -p $d; echo bottom > $d/f; "
+        "mkfifo /tmp/fifo; touch /tmp/x; setfattr -n user.a -v 1 /tmp/x 2>/dev/null || true; "
+        f"ln -s {canary} /workspace/to-host; ln -s {canary}/keep /workspace/to-host-file; "
+        "ln -s ../../.. /workspace/up; ln -s / /workspace/root; sync", timeout=60)
+    assert r.exit_code == 0, r
+    (held,) = _disks_of(security_env, size)
+    first._guest.destroy()
+    assert _after_its_guest(security_env, size, 1) == [held], "the disk was not kept for the next guest"
+    second = make_vm(disk_mb=size)
+    assert _disks_of(security_env, size) == [held]
+    assert _lifetime_writes_kib(held) >= 4096, "the second guest did not get the first one's disk"
+    seen = second.exec("ls -A /workspace; ls -A /tmp; grep -c guest-a /etc/hostname || true; "
+                       "df -i / | tail -1 | awk '{print $3}'", timeout=30)
+    assert seen.exit_code == 0, seen
+    lines = seen.stdout.split()
+    assert lines[:-1] == ["0"], f"the next guest saw the last one's files: {seen.stdout!r}"
+    fresh = make_vm(disk_mb=size + 1).exec("df -i / | tail -1 | awk '{print $3}'", timeout=30)
+    assert lines[-1] == fresh.stdout.strip(), "the lent disk has more inodes in use than a fresh one"
+    assert (canary / "keep").read_text() == "host file"
+
+
+def test_a_guest_that_leaves_more_than_a_clean_removes_gets_its_disk_dropped(
+        make_vm: Callable[..., VM], security_env: Path) -> None:
+    size = 47
+    first = make_vm(disk_mb=size)
+    r = first.exec(f"mkdir /workspace/many && cd /workspace/many && seq {pool.REUSE_MAX_ENTRIES + 100} | "
+                   "xargs touch", timeout=60)
+    assert r.exit_code == 0, r
+    assert len(_disks_of(security_env, size)) == 1
+    first._guest.destroy()
+    assert _after_its_guest(security_env, size, 0) == [], "a disk past the clean's budget was kept"
+    second = make_vm(disk_mb=size)
+    assert second.exec("ls -A /workspace", timeout=30).stdout == ""
+    (made,) = _disks_of(security_env, size)
+    assert _lifetime_writes_kib(made) < 1024, "the next guest got the dropped disk"
+
+
+def test_a_disk_whose_image_grew_on_the_host_is_dropped(make_vm: Callable[..., VM], security_env: Path) -> None:
+    """Freed blocks stay allocated in the image (no discard): a disk the guest filled and emptied
+    would keep that much of the host's disk while it waits for the next guest."""
+    size = 2 * (pool.REUSE_MAX_GROWTH >> 20) + 16
+    first = make_vm(disk_mb=size)
+    r = first.exec(f"dd if=/dev/zero of=/workspace/big bs=1M count={(pool.REUSE_MAX_GROWTH >> 20) + 8} "
+                   "2>/dev/null && sync && rm /workspace/big", timeout=120)
+    assert r.exit_code == 0, r
+    first._guest.destroy()
+    assert _after_its_guest(security_env, size, 0) == [], "a disk that grew past its bound was kept"
+
+
+def test_the_clean_follows_no_link_and_stops_at_its_budget(tmp_path: Path) -> None:
+    """The walk itself, on a host tree: links to a host dir and file are removed as entries, a
+    chain as deep as the budget allows is removed, and more entries than the budget raise."""
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "keep").write_text("host file")
+    top = tmp_path / "disk" / pool.GUEST_DIR
+    top.joinpath(*["d"] * (pool.REUSE_MAX_ENTRIES - 10)).mkdir(parents=True)
+    fd = os.open(tmp_path / "disk", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (top / "to-host").symlink_to(canary)
+        (top / "to-file").symlink_to(canary / "keep")
+        (top / "d" / "up").symlink_to("../../..")
+        pool._remove_tree(fd, pool.GUEST_DIR, pool.REUSE_MAX_ENTRIES)
+        assert not top.exists() and (canary / "keep").read_text() == "host file"
+        for i in range(50):
+            (tmp_path / "disk" / pool.GUEST_DIR / str(i)).mkdir(parents=True)
+        with pytest.raises(pool.DiskError):
+            pool._remove_tree(fd, pool.GUEST_DIR, 40)
+    finally:
+        os.close(fd)
