@@ -27,10 +27,10 @@ class Limits:
     # A guest's memory on every backend (``memory_mb`` overrides it everywhere). 4 GiB let one
     # namespace guest take most of a small CI host, and a test that passed there could OOM in a
     # 512 MiB microVM; 2 GiB fits a Python toolchain and an agent's build. It is what the guest's
-    # processes get, as a microVM's RAM. A namespace guest whose test names ``memory_mb`` has an
-    # ext4 disk of its own (its page cache reclaimable: the limit is that alone); one that does
-    # not keeps a tmpfs disk, charged to its cgroup, whose limit adds the disk's size
-    # (backends/namespace/disk.py, ``cgroups.create``).
+    # processes get, as a microVM's RAM. A namespace guest has an ext4 disk of its own (its page
+    # cache reclaimable: the limit is that alone); where it cannot (user-namespace mode), a tmpfs
+    # disk, charged to its cgroup, whose limit adds the disk's size (backends/namespace/disk.py,
+    # ``cgroups.create``).
     memory_mb: int = 2048
     # A guest's CPUs on every backend (``cpus`` overrides it everywhere): a microVM's vCPUs, a
     # namespace guest's cgroup quota. Two, as the common CI runner and sandbox have. The host's

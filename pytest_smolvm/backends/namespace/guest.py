@@ -80,7 +80,7 @@ class NamespaceGuest:
         self.namespaces: dict[str, int] = {}  # its net (and user) namespace fds, for network=True
         self.dns: _nsdns.GuestDns | None = None  # its DNS proxy socket and names, for network=True
         self.upper_fd = -1  # its upper layer, a dir fd its setup sent (for vm.branch: branch.py)
-        self.disk = "tmpfs"  # what its upper layer lives on: "ext4" (an image of its own) or "tmpfs" (disk.py)
+        self.disk = "tmpfs"  # what its upper layer lives on: "ext4" (a disk lent to it alone) or "tmpfs" (disk.py)
         self.layers: list[Path] = []  # a branch's copies of its ancestors' files, above the baseline
         self.note = ""  # a line for its logs (a branch says what it did not carry)
 
@@ -297,8 +297,8 @@ class NamespaceGuest:
             if not ours.recv(4096):
                 raise GuestError(f"guest {self.name} is gone (its init exited)")
         self.kept = True
-        # A kept guest is not branched; its upper fd would hold its disk (an ext4 disk: its loop
-        # device and image) after the guest is reaped.
+        # A kept guest is not branched; its upper fd would keep two of its dirs on its disk after
+        # the guest is reaped, and the helper would drop the disk rather than lend it again.
         self._close_upper()
 
     def _close_upper(self) -> None:
