@@ -98,10 +98,14 @@ class Channel:
                     raise Unanswered(f"guest {self._name} stopped answering: its init took no request "
                                      f"within {limits.LIMITS.guest_answer_grace:.0f}s") from None
 
+    def free_held(self) -> None:
+        """Free the init if a guest process holds it: see ``free_held_init``."""
+        free_held_init(self._init_pid)
+
     def kill(self, pid: int) -> None:
         """Have the init kill a request's child (and its group); free the init first if a guest
-        process holds it: see ``free_held_init``."""
-        free_held_init(self._init_pid)
+        process holds it."""
+        self.free_held()
         self.send({"op": "kill", "pid": pid})
 
     def close(self) -> None:
@@ -241,7 +245,7 @@ class _Call:
     def kill(self) -> None:
         if self.pid is None:
             self.kill_pending = True  # the pid has not arrived yet: kill as soon as it does
-            free_held_init(self.channel._init_pid)  # the init may be held starting it
+            self.channel.free_held()  # the init may be held starting it
         elif self.pid > 1:
             self.channel.kill(self.pid)
 
