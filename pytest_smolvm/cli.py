@@ -186,11 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     command = shell.add_argument("command", nargs=argparse.REMAINDER, help="run this instead of /bin/sh")
     command.required = False  # argparse marks a REMAINDER positional required: its usage error named it
     shell.set_defaults(run=_shell)
+    for command_parser in sub.choices.values():
+        command_parser.set_defaults(parser=command_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # argparse leaves a subcommand's unknown options to the top-level parser, whose error shows
+    # the top-level usage: the subcommand's own, as for its other usage errors, says more.
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         code = int(args.run(args))
         sys.stdout.flush()  # here, not at exit: a closed pipe is met where it is handled

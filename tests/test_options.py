@@ -327,6 +327,11 @@ def test_the_commands_usage_errors_name_what_is_missing_or_wrong(cli: Any) -> No
     reap = cli("reap", "no-such-guest")  # it said "nothing to reap" and exited 0
     assert reap.returncode == 2
     assert reap.stderr.splitlines() == ["pytest-smolvm reap: no guest named 'no-such-guest' (see 'pytest-smolvm ls')"]
+    for command, usage in (("reap", "usage: pytest-smolvm reap [-h] [--kept] [names ...]"),
+                           ("ls", "usage: pytest-smolvm ls [-h]")):
+        wrong = cli(command, "--bogus")  # it showed the top-level usage, which names no option of the command
+        assert wrong.returncode == 2
+        assert wrong.stderr.splitlines() == [usage, f"pytest-smolvm {command}: error: unrecognized arguments: --bogus"]
     pull = cli("pull", "")  # an empty reference reads as one, quoted as a shell would take it
     assert pull.returncode == 2
     assert pull.stderr.splitlines() == ["pytest-smolvm pull '': not an image reference (names are lowercase "
