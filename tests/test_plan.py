@@ -280,3 +280,25 @@ def test_liveness_without_proc_uses_ps(monkeypatch: pytest.MonkeyPatch) -> None:
     child.wait()
     assert procs.process_start_time(child.pid) is None
     assert not procs.is_alive(os.getpid(), me - 3600)  # same pid, another start: a reused pid
+
+
+def test_a_run_whose_only_guest_failed_to_provision_still_says_what_it_decided(pytester: pytest.Pytester,
+                                                                                smol_state: Path) -> None:
+    """The backend and baseline lines were printed only when a test had used a guest: a run
+    whose one guest test errored in setup (its warm baseline's command failed) said nothing of
+    the backend or baseline it had chosen, which is what its user needs to read first."""
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.fixture(scope="session")
+        def smol_baseline_setup():
+            return ["echo warming; exit 3"]
+    """)
+    pytester.makepyfile("""
+        def test_guest(smol_vm):
+            pass
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*= smolvm =*", "smolvm: backend namespace (isolation: namespace;*",
+                                 "smolvm: baseline *"])

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 RUN_KEY = pytest.StashKey[SmolRun]()
 GUESTS_KEY = pytest.StashKey[list["LiveGuest"]]()
-COUNTER_KEY = pytest.StashKey["GuestTestCounter"]()
 PROBLEMS_KEY = pytest.StashKey[list[str]]()
 DECISION_KEY = pytest.StashKey[float]()  # seconds this test's setup waited for the run's one decision
 WORK_KEY = pytest.StashKey[list[str]]()
@@ -70,9 +69,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RUN_KEY] = run
     config.stash[PROBLEMS_KEY] = []
     config.stash[WORK_KEY] = []
-    counter = GuestTestCounter()
-    config.stash[COUNTER_KEY] = counter
-    config.pluginmanager.register(counter, "smolvm-counter")
     glue = xdist.controller(config)
     if glue is not None:
         glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
@@ -110,17 +106,6 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
     if problems:  # a collection error of the module, as pytest's own for an unknown marker
         report.outcome, report.longrepr, report.result = "failed", "\n".join(problems), []
     return report
-
-
-class GuestTestCounter:
-    """Counts tests that used a guest, from xdist workers' reports too (the controller sees them)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "call" and any(k == "smolvm_backend" for k, _ in report.user_properties):
-            self.count += 1
 
 
 def _after_worker(run: SmolRun, crashed: bool) -> None:
@@ -224,18 +209,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     run = config.stash[RUN_KEY]
     if run.is_worker or run.plan is None:
-        return  # no guest was ever asked for: nothing to say
+        # No guest was ever asked for: nothing to say. Once one was, the plan is said even if no
+        # guest was made (a failed provision is when its backend and baseline matter most).
+        return
     from pytest_smolvm.host.registry import records
     from pytest_smolvm.plugin import reporting
 
     kept = [r for r in records() if r.kept and r.run_id == run.run_id]
     problems: list[str] = config.stash[PROBLEMS_KEY]
-    lines = reporting.summary_lines(run.plan, kept, used_guests=config.stash[COUNTER_KEY].count > 0,
-                                    problems=problems, work=list(dict.fromkeys([*progress.finished(),
-                                                                            *config.stash[WORK_KEY]])))
+    work = list(dict.fromkeys([*progress.finished(), *config.stash[WORK_KEY]]))
+    lines = reporting.summary_lines(run.plan, kept, problems=problems, work=work)
     found = xdist.controller(config)
-    from pytest_smolvm.plugin import reporting
-
     lines += reporting.admission_lines(_admission_peaks(), *(found.admission if found is not None else []))
     if lines:
         terminalreporter.section("smolvm")

@@ -37,9 +37,9 @@ def plan_lines(plan: RunPlan) -> list[str]:
     return lines
 
 
-def summary_lines(plan: RunPlan, kept: Iterable[Record], *, used_guests: bool,
+def summary_lines(plan: RunPlan, kept: Iterable[Record], *,
                   problems: Iterable[str] = (), work: Iterable[str] = ()) -> list[str]:
-    lines = plan_lines(plan) if used_guests else []
+    lines = plan_lines(plan)
     lines += work  # pulls and unpacks that took long (progress.py): said here, not mid-output
     kept = list(kept)
     if kept:
