@@ -99,12 +99,10 @@ class Channel:
                                      f"within {limits.LIMITS.guest_answer_grace:.0f}s") from None
 
     def free_held(self) -> None:
-        """Free the init if a guest process holds it: see ``free_held_init``."""
-        free_held_init(self._init_pid)
+        free_held_init(self._init_pid)  # if a guest process holds the init: see free_held_init
 
     def kill(self, pid: int) -> None:
-        """Have the init kill a request's child (and its group); free the init first if a guest
-        process holds it."""
+        """Have the init kill a request's child (and its group), freeing the init first."""
         self.free_held()
         self.send({"op": "kill", "pid": pid})
 
