@@ -134,3 +134,22 @@ def test_the_clean_follows_no_link_and_stops_at_its_budget(tmp_path: Path) -> No
             pool._remove_tree(fd, pool.GUEST_DIR, 40)
     finally:
         os.close(fd)
+
+
+def test_as_many_disks_wait_for_the_next_guests_as_were_lent_at_once(
+        make_vm: Callable[..., VM], security_env: Path) -> None:
+    """More guests at once than the pool's floor (IDLE_MIN) get their disks back as well; the
+    idle disks of other sizes (earlier tests') go first. Beyond the floor they were dropped, and
+    every later guest past it paid for a new disk."""
+    size, count = 53, pool.IDLE_MIN + 2
+    first = [make_vm(disk_mb=size) for _ in range(count)]
+    made = _disks_of(security_env, size)
+    assert len(made) == count
+    for vm in first:
+        vm._guest.destroy()
+    assert sorted(_after_its_guest(security_env, size, count)) == sorted(made)
+    time.sleep(0.2)  # a disk dropped would be gone by now
+    assert sorted(_disks_of(security_env, size)) == sorted(made)
+    again = [make_vm(disk_mb=size) for _ in range(count)]
+    assert sorted(_disks_of(security_env, size)) == sorted(made)
+    assert all(vm.exec("ls -A /workspace").stdout == "" for vm in again)

@@ -54,9 +54,11 @@ GUEST_DIR = "guest"  # a guest's layers on its disk (setup.py): the one thing a 
 REUSE_MAX_ENTRIES = 512
 # ... and only while its image holds at most this much more of the host's disk than when it
 # was made (freed blocks stay allocated in the image: no discard): the pool's idle disks hold
-# at most IDLE_MAX * (template + this) of the host's disk.
+# at most (template + this) each of the host's disk.
 REUSE_MAX_GROWTH = 64 << 20
-IDLE_MAX = 8  # disks kept for later guests, all sizes together
+# Idle disks kept for later guests, all sizes together: as many as were ever lent at once (the
+# next guests will likely be as many), at least IDLE_MIN. Beyond it the longest idle is dropped.
+IDLE_MIN = 8
 
 
 class DiskError(RuntimeError):
@@ -111,25 +113,35 @@ class DiskPool:
 
     def __init__(self) -> None:
         self.idle: list[Disk] = []
+        self.lent = self.peak_lent = 0
 
     def take(self, request: dict[str, Any]) -> Disk:
         """A disk of ``request``'s template and size: an idle clean one, else a new one."""
         key = (str(request["template"]), int(request["bytes"]))
+        found = None
         for disk in self.idle:
             if disk.key == key:
                 self.idle.remove(disk)
                 if os.fstatvfs(disk.mount).f_flag & os.ST_RDONLY:  # ext4 remounted it after an error
                     disk.drop()
-                    break
-                return disk
-        return _make(request, key)
+                else:
+                    found = disk
+                break
+        found = found or _make(request, key)
+        self.lent += 1
+        self.peak_lent = max(self.peak_lent, self.lent)
+        return found
 
-    def give_back(self, disk: Disk) -> None:
-        """``disk``'s guest is gone, all of its processes: clean it for the next, or drop it."""
-        if len(self.idle) < IDLE_MAX and _clean(disk):
-            self.idle.append(disk)
-        else:
+    def give_back(self, disk: Disk, *, clean: bool = True) -> None:
+        """``disk``'s guest is gone, all of its processes: clean it for the next, or drop it
+        (``clean=False``: its guest was never made)."""
+        self.lent -= 1
+        if not (clean and _clean(disk)):
             disk.drop()
+            return
+        self.idle.append(disk)
+        while len(self.idle) > max(IDLE_MIN, self.peak_lent):
+            self.idle.pop(0).drop()  # the longest idle: its size is the least likely asked for next
 
 
 def _make(request: dict[str, Any], key: tuple[str, int]) -> Disk:

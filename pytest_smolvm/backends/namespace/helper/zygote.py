@@ -52,7 +52,7 @@ class _Creating:
             report_r, report_w = os.pipe2(os.O_CLOEXEC)
         except BaseException:
             if self.disk is not None:
-                self.disk.close()
+                disks.give_back(self.disk, clean=False)
             raise
         pid = -1
         try:
@@ -71,7 +71,7 @@ class _Creating:
                     os.close(report_r)
                     host_end.close()
                     if self.disk is not None:
-                        self.disk.close()
+                        disks.give_back(self.disk, clean=False)
         if pid == 0:
             os.close(report_r)
             host_end.close()
@@ -222,7 +222,7 @@ def zygote(sock: socket.socket) -> None:
                     poller.unregister(fd)
                     job = creating.pop(fd)
                     _reply(sock, job, *done, guests)
-                    _lend(job, "pid" in done[0], lent, poller)
+                    _lend(job, "pid" in done[0], disks, lent, poller)
                 continue
             if fd in lent:  # a guest's init exited: its whole pid namespace, and every mount of it, is gone
                 pid, disk = lent.pop(fd)
@@ -277,7 +277,7 @@ class _Refused(Exception):
     """A request refused with a message of its own (no exception type before it)."""
 
 
-def _lend(job: _Creating, made: bool, lent: dict[int, tuple[int, Disk]], poller: select.poll) -> None:
+def _lend(job: _Creating, made: bool, disks: DiskPool, lent: dict[int, tuple[int, Disk]], poller: select.poll) -> None:
     """Watch the init of a guest made on a disk, to take the disk back when it is gone; a disk
     whose guest was not made is dropped (its setup process exited before its reply was read)."""
     if job.disk is None:
@@ -287,7 +287,7 @@ def _lend(job: _Creating, made: bool, lent: dict[int, tuple[int, Disk]], poller:
         poller.register(job.pidfd, select.POLLIN)
     else:
         os.close(job.pidfd)
-        job.disk.drop()
+        disks.give_back(job.disk, clean=False)
 
 
 def _janitor(req: dict[str, Any], cgroup_dirs: list[str]) -> dict[str, Any]:
