@@ -153,3 +153,26 @@ def test_as_many_disks_wait_for_the_next_guests_as_were_lent_at_once(
     again = [make_vm(disk_mb=size) for _ in range(count)]
     assert sorted(_disks_of(security_env, size)) == sorted(made)
     assert all(vm.exec("ls -A /workspace").stdout == "" for vm in again)
+
+
+def test_the_helper_outlives_a_disk_it_cannot_drop_properly(
+        make_vm: Callable[..., VM], ns_backend: NamespaceBackend, security_env: Path) -> None:
+    """A disk is dropped by a child of the helper, through a pipe: with no fd left to make one
+    (RLIMIT_NOFILE lowered under the helper's fds), the helper frees the disk itself, and goes
+    on making guests. It used to die there, and every guest of its pytest process with it."""
+    import resource
+
+    size = 59
+    vm = make_vm(disk_mb=size)
+    r = vm.exec(f"cd /workspace && seq {pool.REUSE_MAX_ENTRIES + 50} | xargs touch", timeout=60)  # dropped, not cleaned
+    assert r.exit_code == 0, r
+    helper = ns_backend._helper()._proc.pid
+    limit = resource.prlimit(helper, resource.RLIMIT_NOFILE)
+    resource.prlimit(helper, resource.RLIMIT_NOFILE, (3, limit[1]))  # its fds stay; it can open none
+    try:
+        vm._guest.destroy()
+        assert _after_its_guest(security_env, size, 0) == []
+    finally:
+        resource.prlimit(helper, resource.RLIMIT_NOFILE, limit)
+    assert make_vm(disk_mb=size).exec("true").exit_code == 0
+    assert ns_backend._helper()._proc.pid == helper, "the helper died (a new one was started)"

@@ -92,7 +92,11 @@ class Disk:
                 fcntl.ioctl(root, EXT4_IOC_SHUTDOWN, struct.pack("I", EXT4_GOING_FLAGS_NOLOGFLUSH))
             finally:
                 os.close(root)
-        ours_closed_r, ours_closed_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            ours_closed_r, ours_closed_w = os.pipe2(os.O_CLOEXEC)
+        except OSError:  # no fds left: free it here, on the loop
+            self.close()
+            return
         try:
             pid = os.fork()
         except OSError:

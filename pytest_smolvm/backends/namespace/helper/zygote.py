@@ -230,7 +230,10 @@ def zygote(sock: socket.socket) -> None:
                 os.close(fd)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                disks.give_back(disk)
+                try:
+                    disks.give_back(disk)
+                except Exception:  # the zygote must outlive any one disk: this one is let go
+                    disk.close()
                 continue
             try:
                 message, fds = _recv(sock)
