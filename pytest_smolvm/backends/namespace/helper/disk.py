@@ -163,11 +163,15 @@ def _made(request: dict[str, Any], key: tuple[str, int]) -> Disk:
             raise DiskError(f"guest disk: the template image is {size} bytes, not {key[1]}: "
                             f"delete {request['template']} to have it made again")
         image = os.open(request["dir"], os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)  # no name to leak
-        _copy_sparse(src, image, size)
-    finally:
+    except BaseException:
         os.close(src)
+        raise
     loop = mount = -1
     try:
+        try:
+            _copy_sparse(src, image, size)
+        finally:
+            os.close(src)
         loop = _attach(image)
         try:
             mount = _fsmount(loop)
