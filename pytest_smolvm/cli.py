@@ -37,7 +37,8 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _reap(args: argparse.Namespace) -> int:
     names = dict.fromkeys(args.names) if args.names else None
-    unknown = [name for name in names or () if name not in {r.name for r in registry.records()}]
+    recorded = {r.name for r in registry.records()} if names else set()
+    unknown = [name for name in names or () if name not in recorded]
     # Naming a guest is asking for it: a kept guest named explicitly goes too.
     report = reap_orphans(include_kept=args.kept or names is not None, names=names)
     if names is None and find_spec("smol") is not None:

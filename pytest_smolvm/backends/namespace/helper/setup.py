@@ -65,9 +65,12 @@ def _mount_root(req: dict[str, Any]) -> str:
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     if req.get("disk_fd") is not None:  # an ext4 disk the zygote lends this guest (helper/disk.py)
         base = mount_disk(req["disk_fd"], scratch)
+        # The overlay's unmount at the guest's end would sync the whole ext4 (a journal commit,
+        # on the guest's exit path); its files die with it, or are cleaned away.
+        volatile = ",volatile"
     else:
         _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
-        base = scratch
+        base, volatile = scratch, ""
     upper, work, root = (os.path.join(base, d) for d in ("upper", "work", "root"))
     for d in (upper, work, root):
         os.mkdir(d)
@@ -77,13 +80,9 @@ def _mount_root(req: dict[str, Any]) -> str:
     os.chdir(base)
     try:
         lower = ":".join(f"/proc/self/fd/{fd}" for fd in lower_fds)
-        options = f"lowerdir={lower},upperdir=upper,workdir=work"
+        options = f"lowerdir={lower},upperdir=upper,workdir=work{volatile}"
         if req["userns"]:
             options += ",userxattr"
-        if base != scratch:
-            # The overlay's unmount at the guest's end would sync the whole ext4 (a journal
-            # commit, on the guest's exit path); its files die with it, or are cleaned away.
-            options += ",volatile"
         _mount("smolvm-root", "root", "overlay", 0, options)
     finally:
         os.chdir("/")
