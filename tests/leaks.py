@@ -64,6 +64,11 @@ def loop_devices(state_dir: Path) -> list[str]:
     return found
 
 
+def loop_device_bytes(line: str) -> int:
+    """The size of the loop device a ``loop_devices`` line names."""
+    return int(Path("/sys/block", line.split(":")[0], "size").read_text()) * 512
+
+
 def leftovers(state_dir: Path) -> dict[str, list[str]]:
     registry = state_dir / "registry"
     scratch = state_dir / "scratch"

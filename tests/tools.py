@@ -58,6 +58,17 @@ def require(tool: str, why: str) -> str:
     return path
 
 
+def require_ext4_disks(userns: bool) -> None:
+    """Skip the calling test unless this host gives namespace guests ext4 disks (mkfs.ext4 is
+    installed by .ci/run: missing, it fails the test in CI)."""
+    from pytest_smolvm.backends.namespace import disk
+
+    require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
+    why = disk.unavailable(userns, disk.images_dir())
+    if why:
+        pytest.skip(f"no ext4 guest disks on this host: {why}")
+
+
 def require_root(why: str) -> None:
     """Skip the calling test (fail it in CI) unless it runs as root."""
     if os.geteuid() != 0:

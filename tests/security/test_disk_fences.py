@@ -23,7 +23,7 @@ from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.handle.vm import VM
 from tests import tools
-from tests.leaks import loop_devices
+from tests.leaks import loop_device_bytes, loop_devices
 
 MIB = 1 << 20
 
@@ -41,10 +41,7 @@ def _disk_guest(make_vm: Callable[..., VM], ns_backend: NamespaceBackend, **spec
 def _require_ext4_disks(ns_backend: NamespaceBackend) -> None:
     if "memory" not in ns_backend.limits.parents:
         pytest.skip(f"no memory cgroup here ({ns_backend.limits.summary})")
-    tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
-    why = disk.unavailable(ns_backend.userns, disk.images_dir())
-    if why:
-        pytest.skip(f"no ext4 guest disks on this host: {why}")
+    tools.require_ext4_disks(ns_backend.userns)
 
 
 def _memory_limit(guest: NamespaceGuest) -> int:
@@ -79,9 +76,8 @@ def test_writing_past_disk_mb_is_enospc_inside_the_guest(make_vm: Callable[..., 
     assert full.exit_code != 0 and "No space left on device" in full.stderr, full
     assert guest.oom_kills == 0
     # What the host gave it is the disk's size, however much the guest wrote: one loop device of disk_mb
-    ours = [line.split(":")[0] for line in loop_devices(security_env)]
-    sizes = [int(Path("/sys/block", name, "size").read_text()) * 512 for name in ours]
-    assert 64 * MIB in sizes, (ours, sizes)
+    ours = loop_devices(security_env)
+    assert 64 * MIB in map(loop_device_bytes, ours), ours
     # The guest is not broken by it: freeing space lets it write again.
     again = vm.exec("rm /workspace/big && dd if=/dev/zero of=/workspace/small bs=1M count=8 2>&1 && echo ok",
                     timeout=60)
@@ -129,10 +125,7 @@ def test_a_killed_pytest_leaves_no_disk_behind(pytester: pytest.Pytester, smol_s
     """pytest and its helper SIGKILLed while a guest's ext4 disk is mounted and written: its loop
     device and image go with the guest's processes, the reaper clears the rest (smol_state checks
     loop devices and images too)."""
-    tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
-    why = disk.unavailable(os.geteuid() != 0, disk.images_dir())
-    if why:
-        pytest.skip(f"no ext4 guest disks on this host: {why}")
+    tools.require_ext4_disks(os.geteuid() != 0)
     from tests.test_lifecycle import KILL_HELPER_AND_SELF
 
     pytester.makeconftest(KILL_HELPER_AND_SELF)

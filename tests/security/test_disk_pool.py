@@ -16,28 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from pytest_smolvm.backends.namespace import disk
 from pytest_smolvm.backends.namespace.backend import NamespaceBackend
 from pytest_smolvm.backends.namespace.helper import disk as pool
 from pytest_smolvm.handle.vm import VM
 from tests import tools
-from tests.leaks import loop_devices
+from tests.leaks import loop_device_bytes, loop_devices
 
 MIB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
 def _ext4_disks(ns_backend: NamespaceBackend) -> None:
-    tools.require("mkfs.ext4", "a guest's disk image is made from an empty ext4 template")
-    why = disk.unavailable(ns_backend.userns, disk.images_dir())
-    if why:
-        pytest.skip(f"no ext4 guest disks on this host: {why}")
+    tools.require_ext4_disks(ns_backend.userns)
 
 
 def _disks_of(state: Path, size_mb: int) -> list[str]:
     """The loop devices of the guest disks of ``size_mb`` (``name: backing file``)."""
-    return [line for line in loop_devices(state)
-            if int(Path("/sys/block", line.split(":")[0], "size").read_text()) * 512 == size_mb * MIB]
+    return [line for line in loop_devices(state) if loop_device_bytes(line) == size_mb * MIB]
 
 
 def _lifetime_writes_kib(line: str) -> int:
