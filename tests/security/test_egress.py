@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +68,28 @@ while True:
     for a in answers:
         reply += struct.pack("!HHHIH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton(a)
     s.sendto(reply, peer)
+"""
+
+# For a run's test module: the host UDP ports a guest's pasta holds (one per flow of the guest's).
+PASTA_UDP_PORTS = """
+import subprocess
+
+def pasta_udp_ports(vm):
+    [pasta] = [line.split()[0] for line in subprocess.run(
+        ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        if line.split()[1].endswith("/pasta") and vm.name in line]
+    return [int(line.split()[3].rsplit(":", 1)[1]) for line in subprocess.run(
+        ["ss", "-uanpH"], capture_output=True, text=True).stdout.splitlines() if f"pid={pasta}," in line]
+"""
+
+# A UDP echo server for the stand-in internet, at argv[1]:argv[2].
+UDP_ECHO = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+while True:
+    data, peer = s.recvfrom(4096)
+    s.sendto(data, peer)
 """
 
 
@@ -758,7 +781,7 @@ def test_the_ledger_is_bounded_and_counts_what_it_cannot_list(
     """300 allowed and 300 refused destinations: each set keeps LEDGER_ENTRIES, the rest is
     counted on a '(more destinations)' row, listed first, and the results line counts every flow
     (it used to keep 65,536 per set, each with per-CPU counters allocated in the packet path)."""
-    from pytest_smolvm.backends.namespace.network import LEDGER_ENTRIES
+    from pytest_smolvm.backends.namespace.netrules import LEDGER_ENTRIES
 
     more = 300 - LEDGER_ENTRIES
     pytester.makepyfile(f"""
@@ -786,18 +809,16 @@ def test_another_guest_cannot_reach_a_guest_through_its_pasta_socket(
     group on that port used to reach it, and pasta handed it to A: a channel between guests.
     The multicast group is routed to the stand-in's link for the test (nothing leaves the machine)."""
     veth = _current["veth"]
-    pytester.makepyfile(f"""
-        import random, subprocess, time
+    pytester.makepyfile(PASTA_UDP_PORTS + textwrap.dedent(f"""
+        import time
         import pytest
 
         def test_two_guests(smol_vm_factory):
             a, b = smol_vm_factory(network=True), smol_vm_factory(network=True)
-            port = random.randrange(20000, 60000)
             subprocess.run(["ip", "route", "add", "224.0.0.1/32", "dev", "{veth}"], check=True)
             try:
-                a.exec(f"echo out | nc -u -p {{port}} -w 1 {INTERNET_HOST} 9")
-                bound = subprocess.run(["ss", "-uanH", "sport", "=", str(port)], capture_output=True, text=True).stdout
-                assert f"0.0.0.0:{{port}}" in bound, f"pasta bound no host socket for A's flow: {{bound!r}}"
+                a.exec(f"echo out | nc -u -p 4000 -w 1 {INTERNET_HOST} 9")
+                [port] = pasta_udp_ports(a)  # the host socket pasta bound for A's flow
                 a.exec(f"nc -u -l -p {{port}} > /tmp/heard 2>&1 & sleep 0.2")
                 for addr in ("224.0.0.1", "{HOST_SIDE}"):
                     b.exec(f"echo from-b | nc -u -w 1 {{addr}} {{port}}")
@@ -806,6 +827,72 @@ def test_another_guest_cannot_reach_a_guest_through_its_pasta_socket(
                 subprocess.run(["ip", "route", "del", "224.0.0.1/32", "dev", "{veth}"], check=False)
             assert a.exec("cat /tmp/heard").stdout == "", "guest A heard guest B"
             assert f"refused udp 224.0.0.1:{{port}}" in b.logs(), b.logs()
-    """)
+    """))
     pytester.runpytest_subprocess().assert_outcomes(passed=1)
     assert _pasta_processes(smol_state) == [] and _leaked_fence_tables() == []
+
+
+def test_a_guest_udp_flow_takes_no_host_port_of_its_choosing_and_lets_nothing_in(
+        pytester: pytest.Pytester, smol_state: Path, stand_in_internet: str) -> None:
+    """pasta binds a host socket for each UDP port a guest sends from. It used to bind the guest's
+    own port, as root, so a guest sending from a low port (here one below 1024) took it from the
+    host's services, and any host process's datagram to that port was handed into the guest.
+    The guest's flows now leave its namespace from a port of the host's ephemeral range, and
+    only answers from the peer a flow went to come back; the answers do come back."""
+    echo = subprocess.Popen(["ip", "netns", "exec", _current["ns"], sys.executable, "-c", UDP_ECHO, INTERNET_HOST,
+                             "7"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pytester.makepyfile(PASTA_UDP_PORTS + textwrap.dedent(f"""
+            import random, socket, time
+
+            def free_low_port():
+                for port in random.sample(range(600, 1000), 400):
+                    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                        try:
+                            probe.bind(("0.0.0.0", port))
+                        except OSError:
+                            continue
+                        return port
+                raise AssertionError("no free UDP port below 1000 on this host")
+
+            def test_ports(smol_vm_factory):
+                vm = smol_vm_factory(network=True)
+                port = free_low_port()
+                answer = vm.exec(f"echo ping | nc -u -p {{port}} -w 1 {INTERNET_HOST} 7").stdout
+                assert answer == "ping\\n", answer
+                held = pasta_udp_ports(vm)
+                low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+                assert held and all(low <= p <= high for p in held), (port, held)
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as service:
+                    service.bind(("0.0.0.0", port))  # the host's service still gets its port
+                vm.exec(f"nc -u -l -p {{port}} > /tmp/heard 2>&1 & sleep 0.2")
+                for p in held:
+                    vm.exec(f"nc -u -l -p {{p}} >> /tmp/heard 2>&1 & sleep 0.1")
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+                    for p in [port, *held]:
+                        for addr in ("127.0.0.1", "{HOST_SIDE}"):
+                            sender.sendto(b"from-the-host", (addr, p))
+                time.sleep(0.5)
+                assert vm.exec("cat /tmp/heard").stdout == "", "a host process reached the guest"
+        """))
+        pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    finally:
+        echo.kill()
+        echo.wait()
+    assert _pasta_processes(smol_state) == [] and _leaked_fence_tables() == []
+
+
+@pytest.mark.parametrize(("reserved", "ports"), [("", "32768-60999"), ("32768-40000,50000", "50001-60999"),
+                                                  ("33000,60999", "33001-60998"), ("1-65535", None)])
+def test_a_guests_flows_leave_from_the_hosts_ephemeral_ports_less_its_reserved_ones(
+        tmp_path: Path, reserved: str, ports: str | None) -> None:
+    from pytest_smolvm.backends.namespace.netrules import flow_ports
+    from pytest_smolvm.errors import ProvisionError
+
+    (tmp_path / "ip_local_port_range").write_text("32768\t60999\n")
+    (tmp_path / "ip_local_reserved_ports").write_text(reserved + "\n")
+    if ports is None:
+        with pytest.raises(ProvisionError, match="ip_local_reserved_ports"):
+            flow_ports(tmp_path)
+    else:
+        assert flow_ports(tmp_path) == ports

@@ -2,7 +2,7 @@
 
 The guest half is the nftables table in the guest's own network namespace (every new flow,
 allowed or refused by its routes); the host half is its fence's table in the host's namespace
-(every packet of pasta's the fence refused). Both are bounded (``network.LEDGER_ENTRIES`` per
+(every packet of pasta's the fence refused). Both are bounded (``netrules.LEDGER_ENTRIES`` per
 set, then an overflow counter): reading them is linear in a size the guest cannot raise.
 """
 
@@ -14,7 +14,8 @@ import json
 import subprocess
 
 from pytest_smolvm.backends.base import EgressAttempt
-from pytest_smolvm.backends.namespace.network import LEDGER_TABLE, MORE, Nat, in_netns, nft_path
+from pytest_smolvm.backends.namespace.netrules import LEDGER_TABLE, MORE
+from pytest_smolvm.backends.namespace.network import Nat, in_netns, nft_path
 from pytest_smolvm.errors import ProvisionError
 from pytest_smolvm.inert import inert
 

@@ -22,7 +22,9 @@ with one line rather than run unfenced.
 In the guest's own namespace, where the guest has no CAP_NET_ADMIN, routes to its loopback refuse
 the metadata addresses at once and, for ``allow_hosts``, everything outside the list; an
 nftables chain there records every new flow (the guest half of the ledger) and answers those to
-refused addresses at once. The allowlist only narrows what the host's table lets through: no
+refused addresses at once; the same table gives every flow leaving through pasta a source port
+of the host's ephemeral range (pasta binds the flow's own port on the host, as root) and lets in
+through pasta only answers to the guest's flows. The allowlist only narrows what the host's table lets through: no
 CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``); the host's table refuses IPv6 too.
 Every part of this that fails to be set up is a ProvisionError: the guest does not start.
 
@@ -52,82 +54,16 @@ from pathlib import Path
 
 from pytest_smolvm import limits
 from pytest_smolvm.backends.namespace.channel import receive_fds
+from pytest_smolvm.backends.namespace.netrules import FENCE_RULES, LEDGER_ENTRIES, METADATA, flow_ports, ledger_rules
 from pytest_smolvm.errors import ProvisionError
 
 INSTALL_HINT = ("network=True on the namespace backend needs pasta, nftables and iproute2: "
                 "apt-get install -y passt nftables iproute2")
 NEEDS_ROOT = ("network=True and allow_hosts on the namespace backend need root: the egress fence is a rule in the "
               "host's nftables, which a normal user cannot load (run as root, or use --smol-backend=smol)")
-# The clouds' metadata services: AWS/GCP/Azure/OCI (169.254.169.254, and the rest of the
-# link-local range), Azure's WireServer, Alibaba's. fd00:ec2::254 (AWS over IPv6) is refused
-# with all of IPv6 by the host's table.
-METADATA = ("169.254.0.0/16", "168.63.129.16/32", "100.100.100.200/32")
 FENCE_GID_BASE = 2_000_000_000  # + the guest init's pid (at most 2**22): pasta's group, matched on the host
 FENCE_TABLE = "smolvm_fence_"  # + the guest init's pid: its table in the host's namespace
 SBIN = ("/usr/sbin", "/sbin")  # nft and ip live here, often off a normal user's PATH
-LEDGER_TABLE = "smolvm_egress"
-LEDGER_ENTRIES = 256  # destinations kept per set (the guest's two, the host's one); more are counted
-MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES, with their count
-# The guest half of the egress ledger and its fast refusals, loaded into its own network namespace
-# (the guest has no CAP_NET_ADMIN there: it can neither read nor change them). Refused
-# destinations are routed to the guest's loopback, where no address of theirs is local: the routes
-# alone refuse them (a timeout); this chain records each new flow to them and answers it at once
-# (a TCP reset, an ICMP error for UDP), and records each new flow that leaves through pasta.
-# The sets are bounded: a new destination past LEDGER_ENTRIES fails the set's update, which
-# ends that rule, and the next one counts it (the guest cannot make the host keep more).
-LEDGER_RULES = f"""
-table inet smolvm_egress {{
-  set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {LEDGER_ENTRIES}; counter; }}
-  set allowed {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {LEDGER_ENTRIES}; counter; }}
-  counter more_refused {{ }}
-  counter more_allowed {{ }}
-  chain out {{
-    type filter hook output priority 0; policy accept;
-    ct state != new accept
-    meta l4proto != {{ tcp, udp }} accept
-    fib daddr type local accept
-    oifname "lo" update @refused {{ ip daddr . meta l4proto . th dport }} goto refuse
-    oifname "lo" counter name more_refused goto refuse
-    update @allowed {{ ip daddr . meta l4proto . th dport }} accept
-    counter name more_allowed accept
-  }}
-  chain refuse {{
-    meta l4proto tcp reject with tcp reset
-    reject
-  }}
-}}
-"""
-# The fence, in the host's namespace: every packet of pasta's sockets (its gid, {gid}) to a
-# destination local to the host at that moment, or to a metadata address, or over IPv6, is
-# refused and recorded. Sockets that are not full sockets (time-wait) have no gid: the match
-# fails and the packet passes, as it does for every other process of the host. "create" fails if
-# the table is there already (one left by a guest whose watcher was killed, whose init had this
-# pid): start_nat removes it and loads again (an add-and-delete in every load costs ~13 ms).
-FENCE_RULES = """
-create table inet {table}
-table inet {table} {{
-  set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {entries}; counter; }}
-  counter more_refused {{ }}
-  chain out {{
-    type filter hook output priority 0; policy accept;
-    meta skgid {gid} goto fence
-  }}
-  chain fence {{
-    fib daddr type {{ local, broadcast, multicast, anycast }} goto refuse
-    ip daddr {{ {metadata} }} goto refuse
-    meta nfproto ipv6 goto refuse
-  }}
-  chain refuse {{
-    meta l4proto {{ tcp, udp }} update @refused {{ ip daddr . meta l4proto . th dport }} goto deny
-    counter name more_refused goto deny
-  }}
-  chain deny {{
-    meta l4proto tcp reject with tcp reset
-    reject
-  }}
-}}
-"""
-
 # Runs as its own process: starts pasta (argv[6:]) in the fence's group (argv[3]) with the
 # guest's namespace fds (argv[2]); once the guest's init (argv[1]) or pasta is gone, or on SIGTERM
 # (the guest's destroy), kills pasta and removes the fence's table (argv[5]) from the host with nft
@@ -260,7 +196,7 @@ def start_nat(init_pid: int, scratch: Path, namespaces: dict[str, int],
             with contextlib.suppress(BrokenPipeError), loader.stdin:  # it ended: its status says why
                 loader.stdin.write(rules.encode())
         _ip_in(netns, userns, "link set lo up\n" + "".join(f"route replace {p} dev lo\n" for p in METADATA))
-        in_netns(netns, userns, [nft, "-f", "-"], LEDGER_RULES)
+        in_netns(netns, userns, [nft, "-f", "-"], ledger_rules(flow_ports()))
         loader.wait(limits.LIMITS.network_ready)  # its stderr is a line or two: no pipe fills
     except BaseException as exc:
         loader.kill()
