@@ -234,6 +234,8 @@ def test_every_test_in_flight_on_a_crashed_worker_is_reported(pytester: pytest.P
     assert len(cases) == 6 and sorted(cases.values()) == ["error"] * 3 + ["passed"] * 3, cases
     lines = [json.loads(raw) for raw in results.read_text().splitlines()]
     assert len(lines) == 6 and sorted(line["outcome"] for line in lines) == ["error"] * 3 + ["passed"] * 3
+    lost = [line["vms"] for line in lines if line["outcome"] == "error"]  # each names the guest it had
+    assert all(len(vms) == 1 for vms in lost) and len({vms[0] for vms in lost}) == 3, lost
 
 
 MIXED = BARRIER + """

@@ -250,6 +250,8 @@ def test_killed_worker_leaves_the_other_lines_intact(pytester: pytest.Pytester, 
     crashed = by_episode.pop(3)
     assert crashed["outcome"] == "error" and crashed["crashed"] is True and "crashed" in crashed["message"]
     assert crashed["cause"] == "crashed" and crashed["v"] == 2
+    [vm] = crashed["vms"]  # the guest the crashed episode had, as every other line names its own
+    assert vm.startswith("smol-") and vm not in {v for ln in by_episode.values() for v in ln["vms"]}
     assert all(ln["outcome"] == "passed" and ln["reward"] == 1.0 for ln in by_episode.values())
     row = _table_row(result.stdout.str(), "test_killed_worker_leaves_the_other_lines_intact.py::test_episode")
     assert row[:6] == ["1", "6", "5", "0.833", "1.000", "6"]

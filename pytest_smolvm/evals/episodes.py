@@ -358,7 +358,8 @@ class EpisodesPlugin:
             "episode": int(match["index"]) if match else None, "episodes": None, "seed": None,
             "outcome": RERUN if report.outcome == RERUN else "error",  # pytest-rerunfailures runs it again
             "cause": "crashed", "message": str(report.longrepr)[:500], "reward": None,
-            "info": {}, "durations": {}, "vms": [], "artifacts": None, "backend": self._backend(), "baseline": None,
+            "info": {}, "durations": {}, "vms": self.run.crashed_guests.get(report.nodeid, []), "artifacts": None,
+            "backend": self._backend(), "baseline": None,
             "baseline_digest": None, "worker": worker, "run_id": self.run.run_id, "crashed": True,
         }
 

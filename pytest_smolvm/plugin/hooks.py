@@ -73,7 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if glue is not None:
         glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
         glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
-        glue.on_worker_down(lambda crashed: _after_worker(run, crashed))
+        glue.on_worker_down(lambda worker, crashed: _after_worker(run, worker, crashed))
         glue.worker_slots = settings.concurrency
         glue.all_concurrent = run.workers_all_concurrent
         config.pluginmanager.register(_FirstTest(config, run), "smolvm-first-test")
@@ -108,10 +108,12 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
     return report
 
 
-def _after_worker(run: SmolRun, crashed: bool) -> None:
+def _after_worker(run: SmolRun, worker: str | None, crashed: bool) -> None:
     if crashed and run.plan is not None:
-        from pytest_smolvm.session.reaper import reap_orphans
+        from pytest_smolvm.session.reaper import guests_by_test, reap_orphans
 
+        if worker is not None:  # the crashed tests' results lines name the guests they had
+            run.crashed_guests.update(guests_by_test(run.run_id, worker))
         reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
 

@@ -72,14 +72,15 @@ class Controller:
         self.problems: list[str] = []
         self.work: list[str] = []
         self.admission: list[dict[str, list[int]]] = []
-        self._on_node_down: list[Callable[[bool], None]] = []
+        self._on_node_down: list[Callable[[str | None, bool], None]] = []
 
     def tell_workers(self, key: str, value: Callable[[], str | None]) -> None:
         """Give every worker ``key``, with ``value()`` as it is when the worker starts (None: omit)."""
         self._inputs[key] = value
 
-    def on_worker_down(self, callback: Callable[[bool], None]) -> None:
-        """Call ``callback(crashed)`` whenever a worker ends."""
+    def on_worker_down(self, callback: Callable[[str | None, bool], None]) -> None:
+        """Call ``callback(worker id, crashed)`` whenever a worker ends, before the tests a crashed
+        worker had in flight are reported."""
         self._on_node_down.append(callback)
 
     @pytest.hookimpl(tryfirst=True)  # before xdist's own, which always answers
@@ -123,14 +124,14 @@ class Controller:
             self.config.hook.pytest_runtest_logreport(report=report)
 
     def pytest_testnodedown(self, node: Any, error: object) -> None:
-        if error:
-            self._report_lost_in_flight(node)
         output = getattr(node, "workeroutput", {})
         self.problems.extend(output.get(PROBLEMS, []))
         self.work.extend(output.get(WORK, []))
         self.admission.append(output.get(ADMISSION, {}))
         for callback in self._on_node_down:
-            callback(bool(error))
+            callback(_worker_id(node), bool(error))
+        if error:
+            self._report_lost_in_flight(node)
 
 
 def controller(config: pytest.Config) -> Controller | None:

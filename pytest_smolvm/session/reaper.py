@@ -34,6 +34,16 @@ def reap_orphans(*, include_kept: bool = False, names: Mapping[str, object] | No
     return report
 
 
+def guests_by_test(run_id: str, worker: str) -> dict[str, list[str]]:
+    """The recorded guests of ``worker`` of run ``run_id``, by the test each was made for, oldest first."""
+    found = sorted((record for record in registry.records() if record.run_id == run_id and record.worker == worker),
+                   key=lambda record: record.created_at)
+    tests: dict[str, list[str]] = {}
+    for record in found:
+        tests.setdefault(record.test_id, []).append(record.name)
+    return tests
+
+
 def reap_dead(backend_cls: type[Backend]) -> registry.ReapReport:
     """Everything dead owners left: registry records, then ``backend_cls``'s unrecorded machines."""
     report = reap_orphans()

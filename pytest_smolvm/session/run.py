@@ -42,6 +42,9 @@ class SmolRun:
         self._signals: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._closed = False  # set once, under _lock: no pool is made after it
+        # xdist's controller: the guests of each test a crashed worker had (test id -> names),
+        # read from their records before the reaper removes them.
+        self.crashed_guests: dict[str, list[str]] = {}
 
     @property
     def is_worker(self) -> bool:
