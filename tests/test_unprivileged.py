@@ -100,6 +100,8 @@ from pytest_smolvm import GuestUserError
 def test_guest(smol_vm, i, tmp_path):
     assert smol_vm.exec("id -u").stdout == "0\\n"          # root inside its own user namespace
     assert smol_vm.exec("id -u", user="root").stdout == "0\\n"
+    # ranked above the init for the OOM killer: here its score is written just after the spawn
+    assert smol_vm.exec("sleep 0.2; cat /proc/self/oom_score_adj").stdout == "1000\\n"
     with pytest.raises(GuestUserError, match="maps only root"):  # no other uid is mapped
         smol_vm.exec("true", user="nobody")
     assert smol_vm.exec("ls /workspace").stdout == ""     # nothing from another test

@@ -70,6 +70,11 @@ class Init:
         self.keep = False
         with open(OWN_OOM_SCORE, "rb") as own:
             self.oom_score = own.read().strip()  # the init's own, which each spawn puts back
+        try:  # the same score again: whether the init may set its own (not in a user namespace)
+            _write_small(OWN_OOM_SCORE, self.oom_score)
+            self.ranks_in_spawn = True
+        except OSError:
+            self.ranks_in_spawn = False
         self.poller = select.poll()
         # A kept guest's shell door: a listening socket the host bound in its private scratch
         # dir and handed over with "keep"; each connection is one more control channel.
@@ -297,7 +302,12 @@ class Init:
         it inherits the score the init takes for the spawn (the init is blocked in it meanwhile),
         which the init then puts back to its own (down to where it was: no privilege needed).
         A score written after the spawn came too late for what the command forked at once (seen
-        in ~4% of commands), and those processes kept the init's score for good."""
+        in ~4% of commands), and those processes kept the init's score for good. An init that
+        may not set its own score (user-namespace mode) still writes the command's after."""
+        if not self.ranks_in_spawn:
+            pid = _spawn_vpe(argv, env, fds)
+            _kill_first_on_oom(pid)
+            return pid
         _write_small(OWN_OOM_SCORE, OOM_SCORE_KILL_FIRST)
         try:
             return _spawn_vpe(argv, env, fds)
