@@ -25,10 +25,11 @@ MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES,
 # (a TCP reset, an ICMP error for UDP), and records each new flow that leaves through pasta.
 # The sets are bounded: a new destination past LEDGER_ENTRIES fails the set's update, which
 # ends that rule, and the next one counts it (the guest cannot make the host keep more).
-# pasta binds a host socket to the source port of each UDP flow it carries, as root: the guest's
-# flows leave its namespace from a port of the host's ephemeral range ({ports}), never one a host
-# service could want, and what comes in through pasta gets in only as an answer to a flow of the
-# guest's (from the peer that flow went to), not from whatever else reaches pasta's socket.
+# pasta binds a host socket to the source port of each UDP flow it carries, as root (a TCP flow
+# gets a port of the host kernel's choosing: checked): the guest's UDP flows leave its namespace
+# from a port of the host's ephemeral range ({ports}), never one a host service could want, and
+# what comes in through pasta gets in only as an answer to a flow of the guest's (from the peer
+# that flow went to), not from whatever else reaches pasta's socket.
 def ledger_rules(ports: str) -> str:
     return f"""
 table inet smolvm_egress {{
@@ -52,7 +53,7 @@ table inet smolvm_egress {{
   }}
   chain ports {{
     type nat hook postrouting priority srcnat; policy accept;
-    oifname != "lo" meta l4proto {{ tcp, udp }} masquerade to :{ports} random
+    oifname != "lo" meta l4proto udp masquerade to :{ports} random
   }}
   chain inbound {{
     type filter hook input priority 0; policy accept;

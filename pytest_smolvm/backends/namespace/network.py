@@ -22,11 +22,12 @@ with one line rather than run unfenced.
 In the guest's own namespace, where the guest has no CAP_NET_ADMIN, routes to its loopback refuse
 the metadata addresses at once and, for ``allow_hosts``, everything outside the list; an
 nftables chain there records every new flow (the guest half of the ledger) and answers those to
-refused addresses at once; the same table gives every flow leaving through pasta a source port
-of the host's ephemeral range (pasta binds the flow's own port on the host, as root) and lets in
-through pasta only answers to the guest's flows. The allowlist only narrows what the host's table lets through: no
-CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``); the host's table refuses IPv6 too.
-Every part of this that fails to be set up is a ProvisionError: the guest does not start.
+refused addresses at once; the same table gives every UDP flow leaving through pasta a source
+port of the host's ephemeral range (pasta binds the flow's own port on the host, as root) and
+lets in through pasta only answers to the guest's flows. The allowlist only narrows what the
+host's table lets through: no CIDR, 0.0.0.0/0 included, reaches past it. IPv4 only (``-4``);
+the host's table refuses IPv6 too. Every part of this that fails to be set up is a
+ProvisionError: the guest does not start.
 
 The host's table is loaded before pasta starts (while the guest's own routes go in). pasta's
 lifetime is bound to the guest's init by a watcher process: when the init exits (destroy, or the
