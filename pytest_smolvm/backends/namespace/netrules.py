@@ -18,19 +18,25 @@ METADATA = ("169.254.0.0/16", "168.63.129.16/32", "100.100.100.200/32")
 LEDGER_TABLE = "smolvm_egress"
 LEDGER_ENTRIES = 256  # destinations kept per set (the guest's two, the host's one); more are counted
 MORE = "(more destinations)"  # the ledger row of the flows past LEDGER_ENTRIES, with their count
-# The guest half of the egress ledger and its fast refusals, loaded into its own network namespace
-# (the guest has no CAP_NET_ADMIN there: it can neither read nor change them). Refused
-# destinations are routed to the guest's loopback, where no address of theirs is local: the routes
-# alone refuse them (a timeout); this chain records each new flow to them and answers it at once
-# (a TCP reset, an ICMP error for UDP), and records each new flow that leaves through pasta.
-# The sets are bounded: a new destination past LEDGER_ENTRIES fails the set's update, which
-# ends that rule, and the next one counts it (the guest cannot make the host keep more).
-# pasta binds a host socket to the source port of each UDP flow it carries, as root (a TCP flow
-# gets a port of the host kernel's choosing: checked): the guest's UDP flows leave its namespace
-# from a port of the host's ephemeral range ({ports}), never one a host service could want, and
-# what comes in through pasta gets in only as an answer to a flow of the guest's (from the peer
-# that flow went to), not from whatever else reaches pasta's socket.
+
+
 def ledger_rules(ports: str) -> str:
+    """The guest's own table, loaded into its network namespace (the guest has no CAP_NET_ADMIN
+    there: it can neither read nor change it).
+
+    The guest half of the egress ledger and its fast refusals: refused destinations are routed
+    to the guest's loopback, where no address of theirs is local, so the routes alone refuse
+    them (a timeout); ``out`` records each new flow to them and answers it at once (a TCP reset,
+    an ICMP error for UDP), and records each new flow that leaves through pasta. The sets are
+    bounded: a new destination past LEDGER_ENTRIES fails the set's update, which ends that rule,
+    and the next one counts it (the guest cannot make the host keep more).
+
+    pasta binds a host socket to the source port of each UDP flow it carries, as root (a TCP
+    flow gets a port of the host kernel's choosing: checked): the chain ``ports`` makes the
+    guest's UDP flows leave from a port of ``ports`` (the host's ephemeral range, from
+    :func:`flow_ports`), never one a host service could want, and ``inbound`` lets in through
+    pasta only answers to a flow of the guest's (from the peer that flow went to), not whatever
+    else reaches pasta's socket."""
     return f"""
 table inet smolvm_egress {{
   set refused {{ type ipv4_addr . inet_proto . inet_service; flags dynamic; size {LEDGER_ENTRIES}; counter; }}
@@ -63,6 +69,8 @@ table inet smolvm_egress {{
   }}
 }}
 """
+
+
 # The fence, in the host's namespace: every packet of pasta's sockets (its gid, {gid}) to a
 # destination local to the host at that moment, or to a metadata address, or over IPv6, is
 # refused and recorded. Sockets that are not full sockets (time-wait) have no gid: the match
