@@ -234,8 +234,11 @@ def test_every_test_in_flight_on_a_crashed_worker_is_reported(pytester: pytest.P
     assert len(cases) == 6 and sorted(cases.values()) == ["error"] * 3 + ["passed"] * 3, cases
     lines = [json.loads(raw) for raw in results.read_text().splitlines()]
     assert len(lines) == 6 and sorted(line["outcome"] for line in lines) == ["error"] * 3 + ["passed"] * 3
-    lost = [line["vms"] for line in lines if line["outcome"] == "error"]  # each names the guest it had
-    assert all(len(vms) == 1 for vms in lost) and len({vms[0] for vms in lost}) == 3, lost
+    # Each test the plugin reports lost in flight (its setup report came) names the guest it had.
+    # The one xdist reports may not: its setup report may not have come, and then only the guest
+    # records name its guest, which the dead worker's helper removes meanwhile.
+    lost = [line["vms"] for line in lines if line["outcome"] == "error" and "was in flight" in line["message"]]
+    assert len(lost) == 2 and all(len(vms) == 1 for vms in lost) and lost[0] != lost[1], lost
 
 
 MIXED = BARRIER + """

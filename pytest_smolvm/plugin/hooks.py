@@ -73,7 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if glue is not None:
         glue.tell_workers(xdist.RUN_ID, lambda: run.run_id)
         glue.tell_workers(xdist.PLAN_SERVICE, run.service_address)
-        glue.on_worker_down(lambda worker, crashed: _after_worker(run, worker, crashed))
+        glue.on_worker_down(lambda worker, crashed: _after_worker(run, glue, worker, crashed))
         glue.worker_slots = settings.concurrency
         glue.all_concurrent = run.workers_all_concurrent
         config.pluginmanager.register(_FirstTest(config, run), "smolvm-first-test")
@@ -108,12 +108,18 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, p
     return report
 
 
-def _after_worker(run: SmolRun, worker: str | None, crashed: bool) -> None:
+def _after_worker(run: SmolRun, controller: xdist.Controller, worker: str | None, crashed: bool) -> None:
     if crashed and run.plan is not None:
         from pytest_smolvm.session.reaper import guests_by_test, reap_orphans
 
-        if worker is not None:  # the crashed tests' results lines name the guests they had
-            run.crashed_guests.update(guests_by_test(run.run_id, worker))
+        if worker is not None:
+            # The crashed tests' results lines name the guests they had: those their setup reports
+            # named, and those made later whose records the worker's own cleanup (the namespace
+            # helper's, racing this) has not removed yet.
+            for test, names in [*controller.guests_in_flight(worker).items(),
+                                *guests_by_test(run.run_id, worker).items()]:
+                known = run.crashed_guests.setdefault(test, [])
+                known.extend(name for name in names if name not in known)
         reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
 
@@ -245,6 +251,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     guests = item.stash.get(GUESTS_KEY, None)
     if guests is not None:  # the test asked for a guest
         from pytest_smolvm.plugin import artifacts
+
+        if report.when == "setup" and guests and xdist.is_worker(item.config):  # for the line of a crash
+            setattr(report, xdist.GUESTS_ATTR, [live.vm.name for live in guests])
 
         artifacts.report_made(item, report, guests)  # guest logs into every sink, when due
         artifacts.make_report_inert(report)

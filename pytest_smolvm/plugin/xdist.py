@@ -33,6 +33,7 @@ WORK = "smolvm_work"  # the worker's long host-side work (pulls, unpacks), for t
 ADMISSION = "smolvm_admission"  # {gate: [peak held host-wide as the worker saw it, bound]}
 # on a test's teardown report (reports travel to the controller as their __dict__)
 RESULT_ATTR = "smolvm_result"  # the test's --smol-results line (evals/episodes.py)
+GUESTS_ATTR = "smolvm_guests"  # on a setup report: the names of the guests the test has by then
 
 CONTROLLER_NAME = "smolvm-xdist"
 
@@ -68,6 +69,7 @@ class Controller:
         # Per worker: tests set up and not yet torn down (id -> location); more than one only
         # under --smol-concurrency or a smol_episodes(concurrency=) marker.
         self._in_flight: dict[str, dict[str, tuple[str, int | None, str]]] = {}
+        self._guests: dict[str, list[str]] = {}  # test id -> its guests, as its setup report named them
         self._inputs: dict[str, Callable[[], str | None]] = {}
         self.problems: list[str] = []
         self.work: list[str] = []
@@ -103,8 +105,16 @@ class Controller:
             return
         if report.when == "setup":
             self._in_flight.setdefault(worker, {})[report.nodeid] = report.location
+            names = getattr(report, GUESTS_ATTR, None)
+            if names:
+                self._guests[report.nodeid] = list(names)
         elif report.when == "teardown":
             self._in_flight.get(worker, {}).pop(report.nodeid, None)
+            self._guests.pop(report.nodeid, None)
+
+    def guests_in_flight(self, worker: str) -> dict[str, list[str]]:
+        """The guests of each test ``worker`` has in flight, as their setup reports named them."""
+        return {nodeid: self._guests[nodeid] for nodeid in self._in_flight.get(worker, {}) if nodeid in self._guests}
 
     def _report_lost_in_flight(self, node: Any) -> None:
         """A crashed worker's tests in flight, as xdist reports the one it knows it was running.
