@@ -112,14 +112,8 @@ def _after_worker(run: SmolRun, controller: xdist.Controller, worker: str | None
     if crashed and run.plan is not None:
         from pytest_smolvm.session.reaper import guests_by_test, reap_orphans
 
-        if worker is not None:
-            # The crashed tests' results lines name the guests they had: those their setup reports
-            # named, and those made later whose records the worker's own cleanup (the namespace
-            # helper's, racing this) has not removed yet.
-            for test, names in [*controller.guests_in_flight(worker).items(),
-                                *guests_by_test(run.run_id, worker).items()]:
-                known = run.crashed_guests.setdefault(test, [])
-                known.extend(name for name in names if name not in known)
+        if worker is not None:  # the crashed tests' results lines name the guests they had
+            run.crashed_guests.update(controller.lost_guests(worker, guests_by_test(run.run_id, worker)))
         reap_orphans()  # the dead worker's guests died with it; this clears what they left
 
 

@@ -112,9 +112,16 @@ class Controller:
             self._in_flight.get(worker, {}).pop(report.nodeid, None)
             self._guests.pop(report.nodeid, None)
 
-    def guests_in_flight(self, worker: str) -> dict[str, list[str]]:
-        """The guests of each test ``worker`` has in flight, as their setup reports named them."""
-        return {nodeid: self._guests[nodeid] for nodeid in self._in_flight.get(worker, {}) if nodeid in self._guests}
+    def lost_guests(self, worker: str, recorded: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The guests of each test a crashed ``worker`` had: those its setup report named, and
+        those ``recorded`` (test id -> names, from the guest records), made later, whose records
+        the worker's own cleanup (the namespace helper's, racing this) has not removed yet."""
+        lost = {nodeid: list(self._guests[nodeid]) for nodeid in self._in_flight.get(worker, {})
+                if nodeid in self._guests}
+        for nodeid, names in recorded.items():
+            known = lost.setdefault(nodeid, [])
+            known.extend(name for name in names if name not in known)
+        return lost
 
     def _report_lost_in_flight(self, node: Any) -> None:
         """A crashed worker's tests in flight, as xdist reports the one it knows it was running.

@@ -43,7 +43,7 @@ class SmolRun:
         self._lock = threading.Lock()
         self._closed = False  # set once, under _lock: no pool is made after it
         # xdist's controller: the guests of each test a crashed worker had (test id -> names),
-        # read from their records before the reaper removes them.
+        # for their results lines (plugin/xdist.py ``Controller.lost_guests``).
         self.crashed_guests: dict[str, list[str]] = {}
 
     @property
