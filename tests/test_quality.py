@@ -145,6 +145,20 @@ def test_modules_stay_small() -> None:
     assert {name: size for name, size in sizes.items() if size > MAX_MODULE_LINES} == {}
 
 
+def test_the_zygote_loads_every_module_of_its_helper_after_those_it_imports() -> None:
+    """The helper runs from code the host sends (helper/__init__.py): a module missing from
+    ``MODULES``, or loaded before one it imports, kills it at its start, every guest with it."""
+    from pytest_smolvm.backends.namespace.helper import MODULES
+
+    package = "pytest_smolvm.backends.namespace.helper"
+    folder = ROOT / "pytest_smolvm" / "backends" / "namespace" / "helper"
+    assert sorted(MODULES) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    graph = import_graph()
+    late = [f"{name} imports {dep}" for i, name in enumerate(MODULES) for dep in graph[f"{package}.{name}"]
+            if dep.startswith(f"{package}.") and dep.rsplit(".", 1)[1] not in MODULES[:i]]
+    assert late == []
+
+
 def test_rooms_import_only_downwards() -> None:
     rank = {room: level for level, rooms in enumerate(ROOMS) for room in rooms}
 
