@@ -17,7 +17,7 @@ import struct
 import traceback
 from typing import Any
 
-from pytest_smolvm.backends.namespace.helper.disk import mount_disk
+from pytest_smolvm.backends.namespace.helper.disk import LAYERS, mount_disk
 from pytest_smolvm.backends.namespace.helper.init import Init
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWCGROUP,
@@ -71,9 +71,9 @@ def _mount_root(req: dict[str, Any]) -> str:
     else:
         _mount("smolvm-scratch", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['disk_mb']}m,mode=0755")
         base, volatile = scratch, ""
-    upper, work, root = (os.path.join(base, d) for d in ("upper", "work", "root"))
-    for d in (upper, work, root):
-        os.mkdir(d)
+        for d in LAYERS:
+            os.mkdir(os.path.join(base, d))
+    root = os.path.join(base, "root")
     # The guest reads its root's mount options in /proc/self/mountinfo: name the layers by
     # fd and relative to their dir, never by their host paths.
     lower_fds = [os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for path in req["lower"]]

@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any
 
-from pytest_smolvm.backends.namespace.helper.disk import Disk, DiskError, DiskPool
+from pytest_smolvm.backends.namespace.helper.disk import Disk, DiskError
+from pytest_smolvm.backends.namespace.helper.diskpool import QUIET_MS, DiskPool
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWPID,
     JANITOR_WAIT,
@@ -215,7 +216,11 @@ def zygote(sock: socket.socket) -> None:
     owner_gone = False
     while not owner_gone or creating:
         _reap_children()
-        for fd, _events in poller.poll():
+        events = poller.poll(QUIET_MS if disks.unsettled() else None)
+        if not events:  # nothing to serve for a while: the moment for the work between guests
+            disks.settle()
+            continue
+        for fd, _events in events:
             if fd in creating:
                 done = creating[fd].read()
                 if done is not None:
@@ -230,10 +235,7 @@ def zygote(sock: socket.socket) -> None:
                 os.close(fd)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                try:
-                    disks.give_back(disk)
-                except Exception:  # the zygote must outlive any one disk: this one is let go
-                    disk.close()
+                disks.give_back(disk)
                 continue
             try:
                 message, fds = _recv(sock)
@@ -262,7 +264,9 @@ def zygote(sock: socket.socket) -> None:
                     creating[job.report_r] = job
                     poller.register(job.report_r, select.POLLIN)
                     continue
-                if message["op"] == "ping":
+                if message["op"] == "ping":  # answered once the work between guests is done: tests wait on it
+                    while disks.unsettled():
+                        disks.settle()
                     reply: dict[str, Any] = {"ok": True}
                 else:
                     reply = {"error": f"unknown op {message['op']!r}"}
