@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -18,7 +22,7 @@ import pytest
 
 from tests import tools
 from tests.leaks import leftovers
-from tests.smolcloud.harness import LoopbackCloud
+from tests.smolcloud.harness import ROOT, LoopbackCloud
 
 smol = pytest.importorskip("smol")
 from smol import ConnectOptions, ExecOptions, Machine, MachineConfig, ResourceSpec, SmolError  # noqa: E402
@@ -87,6 +91,36 @@ def test_sigterm_destroys_every_guest(tmp_path: Path) -> None:
     assert status == 0, err
     assert "destroyed 3 machine(s)" in err
     assert leftovers(tmp_path / "state") == {}
+
+
+def test_a_killed_test_run_takes_its_server_and_guests_with_it(tmp_path: Path) -> None:
+    """The server is in a session of its own, so no terminal's or runner's signal to the run
+    reaches it: once the process that started it dies unannounced (SIGKILL, before any fixture
+    teardown), it stops as on SIGTERM, destroying its machines, instead of serving on."""
+    state = tmp_path / "state"
+    script = f"""
+import os, signal, sys
+from smol import ConnectOptions, Machine, MachineConfig
+from tests.smolcloud.harness import LoopbackCloud
+server = LoopbackCloud(state_dir={str(state)!r})
+Machine.create(MachineConfig(image="alpine"), ConnectOptions(target="cloud", base_url=server.url, api_key="tok"))
+print(server.proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    server_pid = int(run.stdout)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server_pid, signal.SIGTERM)
+        pytest.fail("the server outlived the test run that started it")
+    assert leftovers(state) == {}
 
 
 def test_a_bearer_token_is_required(cloud: LoopbackCloud) -> None:

@@ -56,11 +56,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="multiply every TTL by this (0.001: an hour passes in 3.6 s), for TTL tests")
     parser.add_argument("--reap-interval", type=float, default=0.5, help="seconds between TTL sweeps")
     parser.add_argument("--state-dir", help="the namespace guests' state dir (default: a private temp dir)")
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop, as on SIGTERM, once the process that started this one is gone "
+                             "(a test run killed before its fixture's teardown)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    parent = os.getppid()
     work = Path(tempfile.mkdtemp(prefix="smolcloud-"))
     os.environ["PYTEST_SMOLVM_STATE_DIR"] = args.state_dir or str(work / "state")
     try:
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SMOL_CLOUD_URL=http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         while not stop.wait(0.5):
-            pass
+            if args.exit_with_parent and os.getppid() != parent:  # orphaned: reparented to a reaper
+                break
     finally:
         server.shutdown()
         server.server_close()

@@ -30,7 +30,7 @@ class LoopbackCloud:
         if attach is not None:  # a server someone else started (and stops)
             self.url = attach
             return
-        argv = [sys.executable, "-m", "tests.smolcloud", *args]
+        argv = [sys.executable, "-m", "tests.smolcloud", "--exit-with-parent", *args]
         if state_dir is not None:
             argv += ["--state-dir", str(state_dir)]
         env = {k: v for k, v in os.environ.items() if k not in ("SMOL_CLOUD_URL", "SMOL_CLOUD_TOKEN")}
