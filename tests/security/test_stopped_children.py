@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -92,6 +93,28 @@ def test_exec_with_a_timeout_returns_under_a_stop_loop(make_vm: Callable[..., VM
         assert took < BOUND, f"exec took {took:.1f}s ({what})"
         assert what in ("returned", "timed out") or "stopped answering" in what, what
     vm._guest.destroy()
+    assert_guest_gone(data)
+
+
+def test_exec_without_a_timeout_is_never_held_by_a_stopped_spawn(make_vm: Callable[..., VM]) -> None:
+    """With no timeout, nothing used to free an init held in a command's spawn: the call waited
+    for ever. A call that has no pid for its command after a second looks for a held init and
+    frees it, so each exec ends: the command ran, or its stopped spawn was killed (137)."""
+    vm = stopping_guest(make_vm)
+    data = vm._guest.registry_data()
+    results: list[tuple[str, float]] = []
+
+    def execs() -> None:
+        for _ in range(6):
+            results.append(outcome(lambda: vm.exec(["true"], timeout=None)))
+
+    runner = threading.Thread(target=execs, daemon=True)
+    runner.start()
+    runner.join(45)  # within the module's 60 s: each exec takes a second or two at most
+    alive = runner.is_alive()
+    vm._guest.destroy()  # ends a call still waiting
+    assert not alive, f"an exec with no timeout was still waiting after {len(results)} returned: {results}"
+    assert all(what == "returned" and took < BOUND for what, took in results), results
     assert_guest_gone(data)
 
 

@@ -8,7 +8,6 @@ message. A request too big for one message (argv and env near ARG_MAX) travels a
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -31,19 +30,7 @@ from pytest_smolvm.host.procs import kill_stopped_vfork_children
 # Beyond this a request goes as a memfd: a SOCK_SEQPACKET message must fit the socket's
 # send buffer (~208 KiB by default), and a bigger one fails with EMSGSIZE.
 INLINE_LIMIT = 64 << 10
-# Linux never lets argv+env exceed 3/4 of _STK_LIM (6 MiB), whatever the stack rlimit:
-# bigger requests are refused here, before any byte is copied.
-ARG_HARD_LIMIT = 6 << 20
-MAX_ARG_STRLEN = 32 * 4096  # the kernel's limit on one argument or env entry
-
-
-def free_held_init(init_pid: int) -> None:
-    """The init starts commands with posix_spawn, whose vfork holds it until the child execs: a
-    child that a guest process stopped in between (``kill -STOP -1`` in a loop catches one) held
-    the init, which then served no request, not even the kill that would free it. Only the host
-    can end that child; a child that ran on to its program is never touched."""
-    if init_pid > 0:
-        kill_stopped_vfork_children(init_pid)
+HELD_SPAWN_LOOK = 1.0  # seconds a call waits for its command's pid before it looks for a held init
 
 
 class Unanswered(GuestError):
@@ -99,7 +86,13 @@ class Channel:
                                      f"within {limits.LIMITS.guest_answer_grace:.0f}s") from None
 
     def free_held(self) -> None:
-        free_held_init(self._init_pid)  # if a guest process holds the init: see free_held_init
+        """The init starts commands with posix_spawn, whose vfork holds it until the child
+        execs: a child that a guest process stopped in between (``kill -STOP -1`` in a loop
+        catches one) held the init, which then served no request, not even the kill that would
+        free it. Only the host can end that child; a child that ran on to its program is never
+        touched."""
+        if self._init_pid > 0:
+            kill_stopped_vfork_children(self._init_pid)
 
     def kill(self, pid: int) -> None:
         """Have the init kill a request's child (and its group), freeing the init first."""
@@ -119,18 +112,6 @@ class Outcome:
     truncated: tuple[str, ...]
     cancelled: bool
     error: dict[str, Any] | None  # the init's or the child's structured refusal, if any
-
-
-def argv_size(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Bytes execve copies for argv and env (strings with their NULs, plus the pointers)."""
-    strings = sum(len(a.encode()) + 1 for a in argv) + sum(len(f"{k}={v}".encode()) + 1 for k, v in env.items())
-    return strings + 8 * (len(argv) + len(env) + 2)
-
-
-def too_big(size: int, arg_max: int, program: str) -> OSError:
-    return OSError(errno.E2BIG, f"Argument list too long: argv and env take {size} bytes; the guest "
-                                f"allows ARG_MAX={arg_max} bytes in all and {MAX_ARG_STRLEN} bytes "
-                                "per argument or env entry", program)
 
 
 def _status(data: bytes, name: str) -> dict[str, Any]:
@@ -276,13 +257,22 @@ class _Call:
         status_open = True
         deadline = time.monotonic() + timeout if timeout is not None else None
         answer_by: float | None = None  # once killed: when the init must have reported the end
+        look_for_held = time.monotonic() + HELD_SPAWN_LOOK  # while no pid came: see below
         while exit_code is None and status_open:
             wait_ms = None
             if deadline is not None and not timed_out:
                 wait_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
             elif answer_by is not None:
                 wait_ms = max(0, int((answer_by - time.monotonic()) * 1000) + 1)
+            if self.pid is None:
+                held_ms = max(0, int((look_for_held - time.monotonic()) * 1000) + 1)
+                wait_ms = held_ms if wait_ms is None else min(wait_ms, held_ms)
             events = self.poller.poll(wait_ms)
+            if self.pid is None and time.monotonic() >= look_for_held:
+                # No pid yet: the init may be held in the command's spawn by a child a guest
+                # process stopped, and with no timeout nothing else would ever free it.
+                self.channel.free_held()
+                look_for_held = time.monotonic() + HELD_SPAWN_LOOK
             if deadline is not None and not timed_out and time.monotonic() >= deadline:
                 timed_out = True
                 self.kill()

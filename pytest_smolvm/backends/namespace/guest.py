@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pytest_smolvm import limits
+from pytest_smolvm.backends.argv import ARG_HARD_LIMIT, argv_size, too_big
 from pytest_smolvm.backends.base import (
     Cancel,
     EgressAttempt,
@@ -28,16 +29,7 @@ from pytest_smolvm.backends.namespace import cgroups
 from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import ledger as _nsledger
 from pytest_smolvm.backends.namespace import network as _nsnet
-from pytest_smolvm.backends.namespace.channel import (
-    ARG_HARD_LIMIT,
-    Channel,
-    Outcome,
-    Unanswered,
-    argv_size,
-    raise_error,
-    run,
-    too_big,
-)
+from pytest_smolvm.backends.namespace.channel import Channel, Outcome, Unanswered, raise_error, run
 from pytest_smolvm.backends.namespace.helper.writers import writers_for
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pytest_smolvm.backends.argv import MAX_ARG_STRLEN, argv_size, too_big
 from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.backends.smol.common import exec_error
@@ -209,8 +210,6 @@ def check_arg_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
 
     Checked here because the engine reports a failed execve as a generic error, if at all.
     """
-    from pytest_smolvm.backends.namespace.channel import MAX_ARG_STRLEN, argv_size, too_big
-
     size = argv_size(argv, dict(env))
     longest = max((len(a.encode()) + 1 for a in [*argv, *(f"{k}={v}" for k, v in env.items())]), default=0)
     if size > GUEST_ARG_MAX or longest > MAX_ARG_STRLEN:

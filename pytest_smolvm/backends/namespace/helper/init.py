@@ -272,7 +272,7 @@ class Init:
 
         vfork holds this process until the child execs: a guest process can stop the child in
         between (``kill -STOP -1`` reaches every process but pid 1). Then only the host can
-        end it, and does when a request's timeout or cancel fires (``channel.free_held_init``).
+        end it, and does when a request's timeout or cancel fires (``channel.Channel.free_held``).
         """
         argv, env = message["argv"], message["env"]
         cwd = message.get("cwd") or "/"
