@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pytest_smolvm.backends.namespace.helper.disk import Disk, DiskError, clean, make
+from pytest_smolvm.backends.namespace.helper.disk import Disk, clean, make
 
 # Idle disks kept for later guests, all sizes together: as many as were ever lent at once (the
 # next guests will likely be as many), at least IDLE_MIN. Beyond it the longest idle is dropped.
@@ -84,8 +84,8 @@ class DiskPool:
             return
         try:
             self._keep(make(request, key))
-        except DiskError:
-            pass  # the guest that needs it makes it, and says why it cannot
+        except Exception:  # the zygote outlives any one disk; the guest that needs one says why it cannot
+            pass
 
     def _cleaned(self, disk: Disk) -> bool:
         """Clean ``disk`` into the idle ones, or drop it (False). The zygote must outlive any
