@@ -67,8 +67,9 @@ def one(backend: NamespaceBackend, baseline: Baseline, kind: str) -> float:
 def _cpu(backend: NamespaceBackend) -> float:
     """CPU seconds of this process and of the guests' side: the helper and every setup and init it
     reaped (a guest's teardown runs in its exiting init); the loop device's kernel workers are not in it.
-    The helper reaps exited inits at the top of its loop (a disk's at once, to take the disk back):
-    two pings take it round twice, so that the last guest's CPU is counted in that guest's arm."""
+    The helper reaps exited inits at the top of its loop and answers a ping once it has cleaned
+    the disks given back (helper/diskpool.py): two pings take it round twice, so that the last
+    guest's CPU, its disk's clean included, is counted in that guest's arm."""
     for _ in range(2):
         backend._helper().request({"op": "ping"})
     own = resource.getrusage(resource.RUSAGE_SELF)

@@ -46,9 +46,12 @@ class DiskPool:
         found = found or make(request, key)
         self.lent += 1
         self.peak_lent = max(self.peak_lent, self.lent)
-        if not any(disk.key == key for disk in self.idle):
+        if not self._has_idle(key):
             self.ahead[key] = request
         return found
+
+    def _has_idle(self, key: tuple[str, int]) -> bool:
+        return any(disk.key == key for disk in self.idle)
 
     def _idle(self, key: tuple[str, int]) -> Disk | None:
         for disk in self.idle:
@@ -80,7 +83,7 @@ class DiskPool:
             self._cleaned(self.returned.pop(0))
             return
         key, request = self.ahead.popitem()
-        if any(disk.key == key for disk in self.idle):
+        if self._has_idle(key):
             return
         try:
             self._keep(make(request, key))
