@@ -81,6 +81,9 @@ def _reports(pytester: pytest.Pytester, mode: str, monkeypatch: pytest.MonkeyPat
     result = pytester.runpytest_subprocess(*MODES[mode], "--smol-backend=namespace", "-p", "no:anyio",
                                            "-p", "no:cacheprovider", *html)
     assert "INTERNALERROR" not in result.stdout.str(), result.stdout.str()
+    if mode != "xdist-concurrent":  # capsys.disabled()'s output reaches the terminal (a worker's is not relayed)
+        for line in ("PARITY-TERMINAL before an await", "PARITY-TERMINAL after an await"):
+            assert result.stdout.str().count(line) == 1, f"{mode}: {line!r} on the terminal once"
     found: dict[tuple[str, str], Any] = {}
     for raw in path.read_text().splitlines():
         line = json.loads(raw)
@@ -114,7 +117,7 @@ def test_every_report_is_the_serial_ones(pytester: pytest.Pytester, smol_state: 
     pytester.makepyfile(test_corpus=CORPUS.read_text())
     runs = {mode: _reports(pytester, mode, monkeypatch) for mode in MODES}
     serial = runs["serial"]
-    assert len({nodeid for nodeid, _ in serial}) == 31
+    assert len({nodeid for nodeid, _ in serial}) == 32
     for mode, reports in runs.items():
         assert reports.keys() == serial.keys(), f"{mode}: reports made {sorted(reports.keys() ^ serial.keys())}"
         differ = {key: (reports[key], line) for key, line in serial.items()

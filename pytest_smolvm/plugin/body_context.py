@@ -7,7 +7,8 @@ it. So each body runs *stepped*: every time the event loop resumes it, until it 
 the process's global state is the test's own, the way pytest sets it for a call phase:
 
 - ``sys.stdout``/``sys.stderr`` write to the test's buffers (or to its ``capsys`` capture, which
-  is resumed for the step), unless capture is off (``-s``);
+  is resumed for the step), unless capture is off (``-s``) or the body is inside
+  ``capsys.disabled()`` (then to the terminal, as in a serial call);
 - the warnings module's state is the test's, carried from step to step as a serial call holds it:
   its filters (``-W``, ini, its ``filterwarnings`` marks, what its fixtures set) and where what they
   let through goes: a recorder its setup entered (``recwarn``), one its body entered across an
@@ -30,13 +31,14 @@ time (concurrency.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
 import sys
 import time
 import warnings
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -67,6 +69,8 @@ class BodyContext:
         self.stdout, self.stderr = io.StringIO(), io.StringIO()
         self.capture_fixture = capture_fixture
         self._capture_started = False
+        self._outer: tuple[Any, Any] = (sys.stdout, sys.stderr)  # the streams the step found
+        self._uncaptured = 0  # capsys.disabled() blocks the body is inside, held across its awaits
         self.warnings: list[warnings.WarningMessage] = []
         before, after = setup_warnings  # the module's state as the item's setup began and ended
         if after[1:] == before[1:]:  # no fixture left a recorder: the call phase replays what is kept
@@ -93,7 +97,8 @@ class BodyContext:
         internals.set_warnings_state(self._warnings)
         sys.unraisablehook = self.unraisables.append
         os.environ[CURRENT_TEST] = self._current
-        if self.capturing:
+        self._outer = saved[0], saved[1]
+        if self.capturing and not self._uncaptured:
             sys.stdout, sys.stderr = self.stdout, self.stderr
             if self.capture_fixture is not None:  # started on the first step, as a call phase starts it
                 internals.capture_on(self.capture_fixture, first=not self._capture_started)
@@ -117,7 +122,7 @@ class BodyContext:
         root.removeHandler(self.kept)
         if self.level is not None and root.level == self.level:
             root.setLevel(saved[3])
-        if self.capturing and self.capture_fixture is not None:
+        if self.capturing and self.capture_fixture is not None and not self._uncaptured:
             internals.capture_off(self.capture_fixture)
         sys.stdout, sys.stderr = saved[0], saved[1]
         if saved[5] is None:
@@ -128,11 +133,33 @@ class BodyContext:
         self._warnings = internals.warnings_state()  # as the step left it: a recorder it entered stays
         saved[2].__exit__(None, None, None)
 
+    @contextlib.contextmanager
+    def _capture_disabled(self) -> Iterator[None]:
+        """The body's ``capsys.disabled()``: until the block ends, across awaits, what the body
+        writes goes to the streams beneath the test's capture (the terminal), as in a serial call
+        phase. pytest's own would suspend the capture manager's, which a body's steps do not use."""
+        self._uncaptured += 1
+        if self._uncaptured == 1:  # in a step: the state _enter put in place
+            internals.capture_off(self.capture_fixture)
+            sys.stdout, sys.stderr = self._outer
+        try:
+            yield
+        finally:
+            self._uncaptured -= 1
+            if self._uncaptured == 0:
+                sys.stdout, sys.stderr = self.stdout, self.stderr
+                internals.capture_on(self.capture_fixture, first=False)
+
     async def run(self, body: Coroutine[Any, Any, T]) -> T:
         """Await ``body`` with this test's state in place for each of its steps."""
+        routed = self.capturing and self.capture_fixture is not None
+        if routed:
+            self.capture_fixture.disabled = self._capture_disabled  # this instance's, while the body runs
         try:
             result: T = await _Stepped(body, self)
         finally:
+            if routed:
+                del self.capture_fixture.disabled
             if self._capture_started:  # closed as a call phase closes it: unread output is the test's
                 saved = self._enter()
                 try:

@@ -138,6 +138,16 @@ async def test_capsys(smol_vm: VM, capsys: pytest.CaptureFixture[str]) -> None:
     out, _ = capsys.readouterr()
     assert out == "captured by capsys\nmore\n"
 
+async def test_capsys_disabled(smol_vm: VM, capsys: pytest.CaptureFixture[str]) -> None:
+    print("captured before")
+    with capsys.disabled():
+        print("PARITY-TERMINAL before an await")
+        await smol_vm.aio.exec("true")
+        print("PARITY-TERMINAL after an await")
+    print("captured after")
+    out, _ = capsys.readouterr()
+    assert out == "captured before\ncaptured after\n"
+
 @pytest.mark.parametrize("n", [1, 2])
 async def test_param(smol_vm: VM, n: int, record_property: Callable[[str, object], None]) -> None:
     record_property("n", n)
