@@ -162,6 +162,30 @@ def new_guest(backend: Any, baseline: Any) -> Any:
     return guest
 
 
+def helper_quiet(backend: Any) -> None:
+    """Return once the namespace helper has no work left from the guests before: what it does
+    between guests (a disk cleaned, dropped, made ahead) must not land in a raw floor measured
+    next. Its ping answers once the pool's work is done; a dropped disk's last close is a child
+    of its own, which frees the disk as it exits (a zombie then, until the helper's next round;
+    bounded: 10 s)."""
+    helper = backend._helper()
+    helper.request({"op": "ping"})
+    children = Path(f"/proc/{helper._proc.pid}/task/{helper._proc.pid}/children")
+
+    def exiting(pid: str) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False  # reaped meanwhile
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with suppress(OSError):
+            if not any(exiting(pid) for pid in children.read_text().split()):
+                return
+        time.sleep(0.005)
+
+
 def guest_exec(guest: Any, argv: list[str]) -> None:
     result = guest.exec(argv, env={}, workdir=None, stdin=None, timeout=None, output_limit=1 << 20)
     assert result.exit_code == 0, result
@@ -343,6 +367,7 @@ def bench_copy(cfg: Config) -> list[Figure]:
                         force_rmtree(dest)
                     finally:
                         vm._guest.destroy()
+                    helper_quiet(backend)
                     floor_in = fast_dir / f"in-{rep}"
                     floor_out = fast_dir / f"floor-out-{rep}"
                     for dest, source in ((floor_in, src), (floor_out, floor_in)):
