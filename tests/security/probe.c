@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/keyctl.h>
+#include <mqueue.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -64,6 +65,34 @@ static long try_abstract(const char *name) {
     return connect(fd, (struct sockaddr *)&addr, sizeof(sa_family_t) + 1 + len);
 }
 
+static void mq_fill(void) {
+    /* Default-sized POSIX message queues until the kernel refuses one: their bytes count per
+     * user, shared with the host's user of the guest's uid. They stay until the guest ends. */
+    struct mq_attr attr = {.mq_maxmsg = 10, .mq_msgsize = 8192};
+    int made = 0;
+    char name[64];
+    for (; made < 100000; made++) {
+        snprintf(name, sizeof name, "/smolvm-fill-%d", made);
+        if (mq_open(name, O_CREAT | O_EXCL | O_RDWR, 0600, &attr) < 0) break;
+    }
+    printf("mq_fill %d errno=%d\n", made, errno);
+}
+
+static void sigpending_fill(void) {
+    /* Queued real-time signals to itself until refused, then held pending while it sleeps:
+     * pending signals count per user, shared with the host's user of the guest's uid. */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGRTMIN);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    union sigval value = {.sival_int = 0};
+    long queued = 0;
+    while (queued < 10000000 && sigqueue(getpid(), SIGRTMIN, value) == 0) queued++;
+    printf("sigpending_fill %ld errno=%d\n", queued, errno);
+    fflush(stdout);
+    for (;;) pause();
+}
+
 static void try_helpers(const char *seconds) {
     /* Scan for the host's per-request helpers (forks of the guest's init) and try to ptrace them. */
     time_t end = time(NULL) + atoi(seconds);
@@ -100,6 +129,8 @@ int main(int argc, char **argv) {
         errno = 0;
         if (!strcmp(a, "unshare_user")) report(a, unshare(CLONE_NEWUSER));
         else if (!strcmp(a, "clone_user")) report(a, try_clone_newuser());
+        else if (!strcmp(a, "mq_fill")) mq_fill();
+        else if (!strcmp(a, "sigpending_fill")) sigpending_fill();
         else if (!strcmp(a, "io_setup")) { unsigned long ctx = 0; report(a, syscall(SYS_io_setup, 1, &ctx)); }
         else if (!strcmp(a, "io_uring")) { long rc = syscall(SYS_io_uring_setup, 4, calloc(1, 256)); report(a, rc); }
         else if (!strcmp(a, "userfaultfd")) report(a, syscall(SYS_userfaultfd, 0));

@@ -14,12 +14,14 @@ import errno
 import io
 import json
 import os
+import resource
 import secrets
 import socket
 import stat
 import subprocess
 import sys
 import tarfile
+import textwrap
 import threading
 import time
 import uuid
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from pytest_smolvm.backends.base import VMSpec
-from pytest_smolvm.backends.namespace.backend import NamespaceBackend
+from pytest_smolvm.backends.namespace.backend import GUEST_SHARE, NamespaceBackend
 from pytest_smolvm.backends.namespace.guest import NamespaceGuest
 from pytest_smolvm.baselines.archive import apply_layer
 from pytest_smolvm.baselines.baseline import Baseline, tree_digest
@@ -672,3 +674,74 @@ def test_13b_the_shell_door_is_the_users_alone_and_runs_nothing_but_commands(vm:
             status.settimeout(10)
             assert status.recv(4096) == b""  # refused: its fds closed, nothing run
     assert vm.exec("test -e /tmp/by-door").exit_code == 1
+
+
+# ---- per-user kernel counts
+# What the kernel counts per user, a guest shares with the host's user of its uid (in root mode
+# host root itself). Two such counts are checked against the rlimit of the process asking
+# (POSIX message-queue bytes, queued signals): a guest's lower rlimits fence them by rule, so
+# however many guests fill them the host's processes keep the rest of their own limit. Each test
+# fills one from a guest, then asks for one unit from a host process of the same uid: if the
+# fence fails, that ask is refused (nothing is made), and the guest's queues and signals end with it.
+
+# A host process of the test's own uid asks for one unit; it prints 0 or the errno it got.
+MQ_OPEN = """
+    import ctypes, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = sys.argv[1].encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600, None)
+    print(0 if fd >= 0 else ctypes.get_errno())
+    if fd >= 0:
+        libc.mq_unlink(name)
+"""
+SIGQUEUE = """
+    import ctypes, os, signal
+    libc = ctypes.CDLL(None, use_errno=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMIN})
+    print(0 if libc.sigqueue(os.getpid(), int(signal.SIGRTMIN), 0) == 0 else ctypes.get_errno())
+"""
+
+
+def _host_asks(code: str, *args: str) -> int:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
+def _per_user_limited(limit: int) -> None:
+    if resource.getrlimit(limit)[0] == resource.RLIM_INFINITY:
+        pytest.skip("this process has no such limit: there is no share a guest could take")
+
+
+def _guests(vm: VM, make_vm: Callable[..., VM]) -> list[VM]:
+    """More guests than share the limit: in user-namespace mode each guest's uid 0 is counted in
+    a namespace of its own, and only the limit its namespace was made under caps them together."""
+    return [vm, *(make_vm() for _ in range(GUEST_SHARE))]
+
+
+def test_14_a_guest_cannot_take_the_hosts_message_queue_bytes(vm: VM, make_vm: Callable[..., VM],
+                                                              probe: Probe) -> None:
+    _per_user_limited(resource.RLIMIT_MSGQUEUE)
+    made = [int(probe("mq_fill", guest=guest)["mq_fill"].split()[0]) for guest in _guests(vm, make_vm)]
+    assert made[0] >= 1, "a guest could open no message queue at all"
+    assert _host_asks(MQ_OPEN, f"/smolvm-host-{uuid.uuid4().hex[:12]}") == 0, (
+        f"with the guests' {made} queues open, the host's user of their uid could open none")
+
+
+def test_14b_a_guest_cannot_take_the_hosts_pending_signals(vm: VM, make_vm: Callable[..., VM],
+                                                           probe_binary: Path) -> None:
+    _per_user_limited(resource.RLIMIT_SIGPENDING)
+    queued = []
+    for guest in _guests(vm, make_vm):
+        guest.copy_in(probe_binary, "/probe")
+        guest.exec("/probe sigpending_fill > /tmp/fill 2>&1 &", check=True)  # it holds them while it runs
+        deadline = time.monotonic() + 30
+        while not (line := guest.exec("cat /tmp/fill").stdout) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        name, count, _ = line.split()
+        assert name == "sigpending_fill", line
+        queued.append(int(count))
+    assert queued[0] >= 1, "a guest could queue no signal at all"
+    assert _host_asks(SIGQUEUE) == 0, (
+        f"with the guests' {queued} signals pending, the host's user of their uid could queue none")

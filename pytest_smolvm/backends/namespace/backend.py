@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import socket
 import sys
 import threading
@@ -40,6 +41,13 @@ from pytest_smolvm.host.paths import runtime_dir
 # A limit a test may name, and the cgroup controller without which no rlimit stands in for it:
 # a guest that names one this process has no controller for does not start (create).
 UNENFORCEABLE = {"memory_mb": "memory", "cpus": "cpu"}
+# What the kernel counts per user and checks against the asking process's own rlimit: a guest's
+# uids are the host's (root mode) or map to this user (user-namespace mode), so it shares these
+# counts with the host's processes of its uid. Guests get 1/GUEST_SHARE of this process's limit:
+# together they can never take more than that, and the host keeps the rest
+# (tests/security/test_guest_attacks.py, test_14*).
+USER_COUNTED = ("RLIMIT_MSGQUEUE", "RLIMIT_SIGPENDING")
+GUEST_SHARE = 4
 
 
 class NamespaceBackend:
@@ -158,7 +166,7 @@ class NamespaceBackend:
                 "disk": disk_request, "network": spec.network,
                 "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
                 "userns": self.userns, "seccomp": bpf,
-                "rlimits": self._rlimits(spec, relax),
+                "rlimits": self._rlimits(spec, relax), "user_counted_rlimits": user_counted_rlimits(),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
                 killed = cgroups.oom_kills(cgroup_dirs)  # its setup runs in the guest's cgroup
@@ -283,3 +291,14 @@ def _userns_allowed() -> bool:
         return int(Path("/proc/sys/user/max_user_namespaces").read_text()) > 0
     except (OSError, ValueError):
         return True
+
+
+def user_counted_rlimits() -> dict[str, int]:
+    """A guest's share of the counts the kernel keeps per user (``USER_COUNTED``); a limit this
+    process does not have is not one a guest could take from it."""
+    found: dict[str, int] = {}
+    for name in USER_COUNTED:
+        own = resource.getrlimit(getattr(resource, name))[0]
+        if own != resource.RLIM_INFINITY:
+            found[name] = own // GUEST_SHARE
+    return found

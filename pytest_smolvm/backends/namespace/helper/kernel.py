@@ -159,12 +159,11 @@ def _load_seccomp(bpf: bytes) -> None:
                        ctypes.byref(fprog), ctypes.c_ulong(0), ctypes.c_ulong(0)), "seccomp filter")
 
 
-def _set_rlimits(req: dict[str, Any]) -> None:
-    """Where no cgroup could be had: bound processes and file size per guest with rlimits.
-
-    In a user namespace RLIMIT_NPROC counts the guest's own uid in its own namespace.
-    """
-    for name, value in (req.get("rlimits") or {}).items():
+def _set_rlimits(req: dict[str, Any], key: str = "rlimits") -> None:
+    """The guest's rlimits: ``rlimits`` where no cgroup could be had (processes and file size;
+    in a user namespace RLIMIT_NPROC counts the guest's own uid in its own namespace), and
+    ``user_counted_rlimits``, its share of what the kernel counts per user."""
+    for name, value in (req.get(key) or {}).items():
         limit = int(value)
         resource.setrlimit(getattr(resource, name), (limit, limit))
 

@@ -251,6 +251,9 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         uid, gid = os.getuid(), os.getgid()
         if req["userns"]:
             flags |= CLONE_NEWUSER | CLONE_NEWPID
+        # Before the user namespace: what its uids may count at our user's level is capped by
+        # these limits as they are when it is made (the kernel's rlimit_max), not by ours.
+        _set_rlimits(req, "user_counted_rlimits")
         _unshare(flags)
         if req["userns"]:
             _write_id_map(uid, gid)  # before the next line: it makes /proc/self/* root's
