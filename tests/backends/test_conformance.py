@@ -70,6 +70,19 @@ def test_background_process_persists_across_exec(vm: VM) -> None:
     assert _alive(vm, pid), "a background process died when the next exec ran"
 
 
+def test_root_serves_on_a_port_below_1024(vm: VM) -> None:
+    """As on a machine of its own: the guest's root binds port 80 and its own clients reach it
+    (a namespace guest's root has no capability over its network namespace: see security.md)."""
+    vm.exec("nc -l -p 80 -e echo served > /dev/null 2>&1 &", check=True)
+    reply = ""
+    for _ in range(50):
+        reply = vm.exec("nc 127.0.0.1 80 < /dev/null").stdout
+        if reply:
+            break
+        time.sleep(0.05)
+    assert reply == "served\n"
+
+
 def test_background_process_holding_stdout_does_not_block_exec(vm: VM) -> None:
     started = time.monotonic()
     r = vm.exec("sleep 300 & echo started", timeout=30)

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/inotify.h>
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -93,6 +94,16 @@ static void sigpending_fill(void) {
     for (;;) pause();
 }
 
+static void inotify_fill(void) {
+    /* inotify instances until refused, held while it sleeps: fs.inotify.max_user_instances
+     * counts them per user, a system-wide limit no rlimit lowers. */
+    long made = 0;
+    while (made < 1000000 && inotify_init1(IN_CLOEXEC) >= 0) made++;
+    printf("inotify_fill %ld errno=%d\n", made, errno);
+    fflush(stdout);
+    for (;;) pause();
+}
+
 static void try_helpers(const char *seconds) {
     /* Scan for the host's per-request helpers (forks of the guest's init) and try to ptrace them. */
     time_t end = time(NULL) + atoi(seconds);
@@ -131,6 +142,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "clone_user")) report(a, try_clone_newuser());
         else if (!strcmp(a, "mq_fill")) mq_fill();
         else if (!strcmp(a, "sigpending_fill")) sigpending_fill();
+        else if (!strcmp(a, "inotify_fill")) inotify_fill();
         else if (!strcmp(a, "io_setup")) { unsigned long ctx = 0; report(a, syscall(SYS_io_setup, 1, &ctx)); }
         else if (!strcmp(a, "io_uring")) { long rc = syscall(SYS_io_uring_setup, 4, calloc(1, 256)); report(a, rc); }
         else if (!strcmp(a, "userfaultfd")) report(a, syscall(SYS_userfaultfd, 0));

@@ -1,7 +1,7 @@
 """The namespace backend: Linux namespaces + overlayfs, for hosts where no microVM boots.
 
-Each guest is a pid-1 init (see ``helper/``) in fresh mount/pid/net/uts/ipc namespaces
-(plus a user namespace when not root) whose root is an overlay of the baseline rootfs and a
+Each guest is a pid-1 init (see ``helper/``) in fresh mount/pid/net/uts/ipc/user namespaces
+(as root, the user namespace maps every uid to itself) whose root is an overlay of the baseline rootfs and a
 per-guest upper layer on its own disk (an ext4 image or a tmpfs: ``disk.py``). It shares the
 host kernel: weaker isolation than a microVM.
 """
@@ -14,6 +14,7 @@ import resource
 import socket
 import sys
 import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -48,6 +49,13 @@ UNENFORCEABLE = {"memory_mb": "memory", "cpus": "cpu"}
 # (tests/security/test_guest_attacks.py, test_14*).
 USER_COUNTED = ("RLIMIT_MSGQUEUE", "RLIMIT_SIGPENDING")
 GUEST_SHARE = 4
+# As root, a guest's init moves into a user namespace of its own, owned by a uid no host process
+# should have (helper/kernel.py _own_user_namespace): the kernel charges what it counts per user
+# for the guest's processes to that uid, so they cannot exhaust host root's own counts (inotify
+# instances and watches, whose limits are system-wide, not rlimits). One uid per guest name, in
+# a range past the usual subordinate-uid ranges and below systemd's reserved top ones.
+OWNER_UID_BASE = 0x7F000000
+OWNER_UID_SPAN = 0x00F00000
 
 
 class NamespaceBackend:
@@ -166,6 +174,7 @@ class NamespaceBackend:
                 "disk": disk_request, "network": spec.network,
                 "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
                 "userns": self.userns, "seccomp": bpf,
+                "owner_uid": None if self.userns else OWNER_UID_BASE + zlib.crc32(spec.name.encode()) % OWNER_UID_SPAN,
                 "rlimits": self._rlimits(spec, relax), "user_counted_rlimits": user_counted_rlimits(),
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -209,6 +210,30 @@ def _write_small(path: str, data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
+
+
+MAP_REQUEST = b"M"  # on a root-mode init's report pipe, before its report: "write my maps" (and the answer)
+IDENTITY_MAP = b"0 0 4294967295"  # every uid (gid) to itself
+
+
+def _own_user_namespace(owner: int, mapped_fd: int, report_w: int) -> None:
+    """Root mode: move this process (the guest's init, every mount made) into a user namespace
+    of its own, owned by the uid ``owner`` and mapping every uid and gid to itself. Files,
+    uids and capabilities read as before; but what the kernel counts per user for the guest's
+    processes (inotify instances and watches, message-queue bytes, queued signals) it charges
+    at the host's level to the namespace's owner, never to host root's own count. A process
+    may map no uid but its own from inside: the zygote, root outside, writes the maps when we
+    ask on ``report_w`` and says so on ``mapped_fd`` (zygote.py)."""
+    try:
+        os.seteuid(owner)  # the kernel makes the namespace's owner our effective uid
+        _unshare(CLONE_NEWUSER)
+        os.write(report_w, MAP_REQUEST)
+        if os.read(mapped_fd, 1) != MAP_REQUEST:
+            raise OSError(errno.EPERM, "the zygote could not map the guest's user namespace")
+    finally:
+        os.close(mapped_fd)
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)  # root in it, every capability in it: _drop_capabilities bounds them next
 
 
 def _write_id_map(uid: int, gid: int) -> None:

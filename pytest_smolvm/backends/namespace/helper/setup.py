@@ -45,6 +45,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     _libc,
     _load_seccomp,
     _mount,
+    _own_user_namespace,
     _prctl,
     _set_rlimits,
     _unshare,
@@ -238,6 +239,8 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         keep = {ctl.fileno(), report_w}
         if req.get("disk_fd") is not None:
             keep.add(req["disk_fd"])  # the zygote's other disks, lent to other guests, are closed here
+        if req.get("mapped_fd") is not None:
+            keep.add(req["mapped_fd"])
         devnull = os.open("/dev/null", os.O_RDWR)
         for target in (0, 1, 2):
             os.dup2(devnull, target)
@@ -257,6 +260,12 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         _unshare(flags)
         if req["userns"]:
             _write_id_map(uid, gid)  # before the next line: it makes /proc/self/* root's
+        else:
+            # Its network namespace stays the host's user namespace's (the host sets up its
+            # NAT), where the guest's root has no capability once it is in a user namespace of
+            # its own (_own_user_namespace): ports below 1024 are open to its users, as in
+            # rootless Docker and Podman.
+            _write_small("/proc/sys/net/ipv4/ip_unprivileged_port_start", b"0")
         if req.get("send_ns"):
             _send_namespaces(ctl, userns=bool(req["userns"]))
         # Not dumpable: no guest process may ptrace this process or the init, read their memory
@@ -303,6 +312,8 @@ def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: i
     """Finish the guest from inside its pid namespace, say so on ``report_w``, then serve; never returns."""
     try:
         _enter_root(root, req)
+        if req.get("mapped_fd") is not None:
+            _own_user_namespace(req["owner_uid"], req["mapped_fd"], report_w)
         _set_rlimits(req)
         bpf = bytes.fromhex(req["seccomp"]) if req.get("seccomp") else b""
         if bpf:

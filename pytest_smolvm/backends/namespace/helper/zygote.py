@@ -23,7 +23,9 @@ from pytest_smolvm.backends.namespace.helper.disk import Disk, DiskError
 from pytest_smolvm.backends.namespace.helper.diskpool import QUIET_MS, DiskPool
 from pytest_smolvm.backends.namespace.helper.kernel import (
     CLONE_NEWPID,
+    IDENTITY_MAP,
     JANITOR_WAIT,
+    MAP_REQUEST,
     PR_SET_CHILD_SUBREAPER,
     _check,
     _libc,
@@ -31,6 +33,7 @@ from pytest_smolvm.backends.namespace.helper.kernel import (
     _recv,
     _send,
     _unshare,
+    _write_small,
 )
 from pytest_smolvm.backends.namespace.helper.setup import _setup_guest
 
@@ -48,9 +51,14 @@ class _Creating:
         self.pidfd = -1
         if self.disk is not None:
             req["disk_fd"] = self.disk.loop
+        # As root the init moves into a user namespace of its own and asks us, on its report
+        # pipe, to write its maps (helper/kernel.py _own_user_namespace); we say so on this one.
+        self.mapped_w = -1
         try:
             host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             report_r, report_w = os.pipe2(os.O_CLOEXEC)
+            if one_fork and req.get("owner_uid") is not None:
+                req["mapped_fd"], self.mapped_w = os.pipe2(os.O_CLOEXEC)
         except BaseException:
             if self.disk is not None:
                 disks.give_back(self.disk, clean=False)
@@ -68,7 +76,10 @@ class _Creating:
             if pid != 0:
                 os.close(report_w)
                 guest_end.close()
+                if req.get("mapped_fd") is not None:
+                    os.close(req["mapped_fd"])
                 if pid < 0:
+                    self._mapped()
                     os.close(report_r)
                     host_end.close()
                     if self.disk is not None:
@@ -76,6 +87,8 @@ class _Creating:
         if pid == 0:
             os.close(report_r)
             host_end.close()
+            if self.mapped_w >= 0:
+                os.close(self.mapped_w)
             _setup_guest(req, guest_end, report_w)
         if self.disk is not None:
             self.pidfd = os.pidfd_open(pid)  # our unreaped child: its pid cannot be another's yet
@@ -90,6 +103,9 @@ class _Creating:
         """
         chunk = os.read(self.report_r, 1 << 16)
         self.raw += chunk
+        if self.raw[:1] == MAP_REQUEST:
+            self.raw = self.raw[1:]
+            self._mapped(_map_identity(self.pid))
         reply: dict[str, Any] | None = None
         if chunk:
             try:
@@ -97,6 +113,7 @@ class _Creating:
             except ValueError:
                 return None
         os.close(self.report_r)
+        self._mapped()
         if reply is None:
             reply = {"error": self.raw.decode(errors="replace") if self.raw else "guest setup died without a word"}
         if "error" in reply:
@@ -107,6 +124,25 @@ class _Creating:
         reply.setdefault("pid", self.pid)
         reply.pop("ok", None)
         return reply, [self.host_end.detach()]
+
+    def _mapped(self, done: bool = False) -> None:
+        """Tell the init its maps are written (``done``), or close the pipe unsaid: it fails."""
+        if self.mapped_w >= 0:
+            if done:
+                with contextlib.suppress(OSError):
+                    os.write(self.mapped_w, MAP_REQUEST)
+            os.close(self.mapped_w)
+            self.mapped_w = -1
+
+
+def _map_identity(pid: int) -> bool:
+    """Map every uid and gid of ``pid``'s new user namespace to itself (we are root outside it)."""
+    try:
+        for name in ("uid_map", "gid_map"):
+            _write_small(f"/proc/{pid}/{name}", IDENTITY_MAP)
+    except OSError:
+        return False
+    return True
 
 
 def _reap_children() -> None:
