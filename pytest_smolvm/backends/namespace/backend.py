@@ -74,6 +74,7 @@ class NamespaceBackend:
         self._rootfs: dict[str, Rootfs] = {}
         self.userns = os.geteuid() != 0
         self.limits = cgroups.detect()
+        self._user_counted = user_counted_rlimits()  # this process's limits, read once
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -175,7 +176,7 @@ class NamespaceBackend:
                 "send_ns": networked, "send_upper": True,  # for vm.branch (branch.py)
                 "userns": self.userns, "seccomp": bpf,
                 "owner_uid": None if self.userns else OWNER_UID_BASE + zlib.crc32(spec.name.encode()) % OWNER_UID_SPAN,
-                "rlimits": self._rlimits(spec, relax), "user_counted_rlimits": user_counted_rlimits(),
+                "rlimits": self._rlimits(spec, relax), "user_counted_rlimits": self._user_counted,
                 "cgroup_procs": [os.path.join(d, "cgroup.procs") for d in cgroup_dirs]})
             if "error" in reply:
                 killed = cgroups.oom_kills(cgroup_dirs)  # its setup runs in the guest's cgroup
