@@ -1,4 +1,4 @@
-"""The loopback smol cloud holds to the wire contract the real SDK (smolmachines 1.32.2) speaks.
+"""The loopback smol cloud holds to the wire contract the real SDK (smolmachines 1.37.3) speaks.
 
 Every test drives the server through ``smol`` itself, or, where the SDK cannot send a bad
 request, through raw HTTP, and checks what the SDK makes of the answer.
@@ -6,15 +6,18 @@ request, through raw HTTP, and checks what the SDK makes of the answer.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,54 @@ def raw(cloud: LoopbackCloud, method: str, path: str, body: Any = None,
     payload = resp.read()
     client.close()
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, payload
+
+
+def exec_calls(cloud: LoopbackCloud, token: str) -> dict[str, int]:
+    """The exec routes ``token`` called, as the server counted them."""
+    return {call: n for call, n in cloud.calls(token).items() if "/exec" in call}
+
+
+def exec_records(cloud: LoopbackCloud, machine_id: str) -> list[dict[str, Any]]:
+    """The resumable execs the server holds for a machine (the admin view)."""
+    found: list[dict[str, Any]] = next(m["execs"] for m in cloud.machines() if m["id"] == machine_id)
+    return found
+
+
+def wait_for_exec(cloud: LoopbackCloud, machine_id: str, done: bool = True, timeout: float = 60) -> dict[str, Any]:
+    """The machine's one resumable exec, once it has ended (or, ``done=False``, printed something)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = exec_records(cloud, machine_id)
+        if len(records) == 1 and (records[0]["done"] if done else records[0]["end"] > 0):
+            return records[0]
+        assert time.monotonic() < deadline, records
+        time.sleep(0.05)
+
+
+# Both streams, bytes that are not UTF-8 among them, and an exit status.
+NOT_UTF8 = ["/bin/sh", "-c", "printf '\\377x\\0'; printf 'e\\376rr' >&2; exit 3"]
+STREAMED = ["/bin/sh", "-c", "echo a; sleep 0.5; printf 'b\\377\\n'; echo c >&2; exit 5"]
+
+
+def check_exec_and_exec_stream(machine: Machine) -> None:
+    """What exec and exec_stream give back, whichever routes carry them: four calls, two of each."""
+    result = machine.exec(NOT_UTF8)
+    assert (result.exit_code, result.stdout_bytes, result.stderr_bytes) == (3, b"\xffx\0", b"e\xferr")
+    assert (result.stdout, result.stderr) == ("\ufffdx\0", "e\ufffdrr")
+    started = time.monotonic()
+    slow = machine.exec(["sh", "-c", "echo before; sleep 30"], ExecOptions(timeout=0.5))
+    assert slow.exit_code == 124 and slow.stdout == "before\n" and time.monotonic() - started < 10
+    with machine.exec_stream(STREAMED) as stream:
+        events = list(stream)
+    assert events[-1] == {"kind": "exit", "exit_code": 5}
+    for kind, text in (("stdout", "a\nb\ufffd\n"), ("stderr", "c\n")):
+        assert "".join(e["data"] for e in events if e["kind"] == kind) == text
+    assert events[0] == {"kind": "stdout", "data": "a\n"}  # sent as it came, before b
+    started = time.monotonic()
+    with machine.exec_stream(["sh", "-c", "echo before; sleep 30"], ExecOptions(timeout=1)) as stream:
+        events = list(stream)
+    assert events == [{"kind": "stdout", "data": "before\n"}, {"kind": "exit", "exit_code": 124}]
+    assert time.monotonic() - started < 10
 
 
 def test_answers_on_a_kept_alive_connection_come_without_a_delayed_ack_stall(cloud: LoopbackCloud) -> None:
@@ -181,16 +232,16 @@ def test_create_shapes_labels_filters_and_listing(cloud: LoopbackCloud) -> None:
         machine.delete()
 
 
-def test_exec_output_modes_stdin_timeout_and_user_echo(cloud: LoopbackCloud) -> None:
+def test_exec_options_over_resumable_execs(cloud: LoopbackCloud) -> None:
     machine = make(cloud)
     try:
         command = ["/bin/sh", "-c", "printf '\\377x'; printf err >&2; exit 3"]
-        both = machine.exec(command)
-        assert (both.exit_code, both.stdout_bytes, both.stderr, both.stdout) == (3, b"\xffx", "err", "\ufffdx")
-        b64 = machine.exec(command, ExecOptions(output="b64"))
-        assert (b64.stdout, b64.stdout_bytes, b64.stderr_bytes) == ("", b"\xffx", b"err")
-        text = machine.exec(command, ExecOptions(output="text"))
-        assert text.stdout_bytes == "\ufffdx".encode()  # the lossy text, as the SDK documents
+        # A resumable exec's output is bytes, whole: ExecOptions.output (the plain exec's ?output=,
+        # test_execs_fall_back_to_the_plain_routes_on_an_older_control_plane) has no say in it.
+        for output in (None, "both", "b64", "text"):
+            r = machine.exec(command, ExecOptions(output=output))
+            assert (r.exit_code, r.stdout, r.stdout_bytes, r.stderr, r.stderr_bytes) == \
+                (3, "\ufffdx", b"\xffx", "err", b"err"), output
         assert machine.exec(["cat"], ExecOptions(stdin="in\n")).stdout == "in\n"
         assert machine.exec(["pwd"], ExecOptions(workdir="/etc")).stdout == "/etc\n"
         assert machine.exec(["sh", "-c", "echo $X"], ExecOptions(env={"X": "y"})).stdout == "y\n"
@@ -198,32 +249,77 @@ def test_exec_output_modes_stdin_timeout_and_user_echo(cloud: LoopbackCloud) -> 
         slow = machine.exec(["sh", "-c", "echo before; sleep 30"], ExecOptions(timeout=0.5))
         assert slow.exit_code == 124 and slow.stdout == "before\n" and time.monotonic() - started < 10
         assert machine.exec(["id", "-u"], ExecOptions(user="nobody")).stdout.strip() == "65534"
-        bg = machine.exec(["sleep", "30"], ExecOptions(background=True))
+        for user, cwd, code in (("nosuchuser", None, "unknown_user"), (None, "/nonexistent", "bad_workdir")):
+            with pytest.raises(SmolError) as info:  # the start's status, as the plain exec's
+                machine.exec(["true"], ExecOptions(user=user, workdir=cwd))
+            assert info.value.status == 400 and info.value.problem_code == code
+        missing = machine.exec(["no-such-program"])
+        assert (missing.exit_code, missing.stderr) == (127, "no-such-program: No such file or directory\n")
+        bg = machine.exec(["sleep", "30"], ExecOptions(background=True))  # never resumable: the plain /exec
         assert bg.pid is not None and machine.exec(["kill", "-0", str(bg.pid)]).exit_code == 0
         big = machine.exec(["sh", "-c", "head -c 1500000 /dev/zero | tr '\\0' a"], ExecOptions(output="both"))
-        assert big.stdout_truncated and len(big.stdout) == 1 << 20 and len(big.stdout_bytes) == 1500000
+        assert not big.stdout_truncated and big.stdout == "a" * 1500000 and len(big.stdout_bytes) == 1500000
+        assert exec_records(cloud, machine.id) == []  # each one forgotten once its end was read
     finally:
         machine.delete()
 
 
-def test_exec_stream_is_server_sent_events(cloud: LoopbackCloud) -> None:
-    machine = make(cloud)
+def test_exec_and_exec_stream_are_resumable_execs(cloud: LoopbackCloud) -> None:
+    token = "resumable"
+    machine = make(cloud, token)
     try:
-        with machine.exec_stream(["/bin/sh", "-c", "echo a; sleep 0.5; echo b; echo c >&2; exit 5"]) as stream:
-            events = list(stream)
-        assert events[-1] == {"kind": "exit", "exit_code": 5}
-        for kind, text in (("stdout", "a\nb\n"), ("stderr", "c\n")):
-            assert "".join(e["data"] for e in events if e["kind"] == kind) == text
-        assert events[0] == {"kind": "stdout", "data": "a\n"}  # sent as it came, before b
+        check_exec_and_exec_stream(machine)
+        calls = exec_calls(cloud, token)
+        # Each started once, read until its end came, then deleted; the plain routes never called.
+        assert calls.pop("GET /v1/machines/{id}/execs/{exec}") >= 1
+        assert calls == {"POST /v1/machines/{id}/execs": 4, "DELETE /v1/machines/{id}/execs/{exec}": 4}
         started = time.monotonic()
         with machine.exec_stream(["/bin/sh", "-c", "echo $$; exec sleep 60"]) as stream:
             pid = next(iter(stream))["data"].strip()  # it runs; leaving the block kills the stream,
-        # and the server, seeing its client gone, kills the command
+        # which deletes the exec, and the server kills the command
         while machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code == 0 and time.monotonic() - started < 10:
             time.sleep(0.1)
         assert machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code != 0
+        assert exec_records(cloud, machine.id) == []
     finally:
         machine.delete()
+
+
+def test_execs_fall_back_to_the_plain_routes_on_an_older_control_plane(tmp_path: Path) -> None:
+    server = LoopbackCloud("--legacy-exec-routes", state_dir=tmp_path / "state")
+    try:
+        machine = make(server)
+        check_exec_and_exec_stream(machine)
+        # Each tried as a resumable exec first; the 404 sent the SDK to the plain route.
+        assert exec_calls(server, "tok") == {"POST /v1/machines/{id}/execs": 4, "POST /v1/machines/{id}/exec": 2,
+                                             "POST /v1/machines/{id}/exec/stream": 2}
+        # The plain exec's output modes and its 1 MiB text cap, which a resumable exec has not.
+        command = ["/bin/sh", "-c", "printf '\\377x'; printf err >&2; exit 3"]
+        b64 = machine.exec(command, ExecOptions(output="b64"))
+        assert (b64.stdout, b64.stdout_bytes, b64.stderr_bytes) == ("", b"\xffx", b"err")
+        text = machine.exec(command, ExecOptions(output="text"))
+        assert text.stdout_bytes == "\ufffdx".encode()  # the lossy text, as the SDK documents
+        big = machine.exec(["sh", "-c", "head -c 1500000 /dev/zero | tr '\\0' a"], ExecOptions(output="both"))
+        assert big.stdout_truncated and len(big.stdout) == 1 << 20 and len(big.stdout_bytes) == 1500000
+        with machine.exec_stream(["/bin/sh", "-c", "echo $$; exec sleep 60"]) as stream:
+            pid = next(iter(stream))["data"].strip()  # leaving the block hangs the stream up, and the
+        started = time.monotonic()  # server, seeing its client gone, kills the command
+        while machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code == 0 and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        assert machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code != 0
+        exec_id = uuid.uuid4().hex
+        auth = {"authorization": "Bearer tok"}
+        status, _, body = raw(server, "POST", f"/v1/machines/{machine.id}/execs",
+                              {"command": ["true"], "execId": exec_id, "waitSeconds": 0}, auth)
+        assert status == 404 and json.loads(body)["code"] == "route_not_found"
+        for method in ("GET", "DELETE"):
+            status, _, body = raw(server, method, f"/v1/machines/{machine.id}/execs/{exec_id}?after=0&wait=0",
+                                  headers=auth)
+            assert status == 404 and json.loads(body)["code"] == "route_not_found"
+        machine.delete()
+    finally:
+        status, err = server.stop()
+    assert status == 0, err
 
 
 def test_files_round_trip_with_awkward_names_and_no_parent_creation(cloud: LoopbackCloud) -> None:
@@ -338,6 +434,154 @@ def test_exec_cut_off_by_a_delete_is_machine_interrupted(cloud: LoopbackCloud) -
     assert [e.code for e in errors] == ["MACHINE_INTERRUPTED"]
 
 
+def test_exec_cut_off_after_its_first_output_ends_without_an_exit_code(cloud: LoopbackCloud) -> None:
+    # Its start was answered (with "started"), so the stop is the exec's end, read as exitCode
+    # null and the reason, which the SDK raises as MACHINE_INTERRUPTED.
+    machine = make(cloud)
+    errors: list[SmolError] = []
+
+    def long_exec() -> None:
+        try:
+            machine.exec(["sh", "-c", "echo started; exec sleep 60"])
+        except SmolError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=long_exec)
+    thread.start()
+    try:
+        wait_for_exec(cloud, machine.id, done=False)
+        machine.stop()
+        thread.join(timeout=30)
+        assert [e.code for e in errors] == ["MACHINE_INTERRUPTED"]
+        assert "the command ended without an exit code: exec in" in str(errors[0])
+        assert "the machine is stopped" in str(errors[0])
+    finally:
+        thread.join(timeout=30)
+        machine.delete()
+
+
+def test_an_exec_on_a_gone_machine_falls_back_and_is_not_found(cloud: LoopbackCloud) -> None:
+    # A 404 on a resumable start reads, to the SDK, as a control plane without them: it tries the
+    # plain exec, whose 404 it raises.
+    token = "gone"
+    machine = make(cloud, token)
+    Machine.delete_by_name(machine.id, conn(cloud, token))
+    with pytest.raises(SmolError) as info:
+        machine.exec(["true"])
+    assert info.value.code == "NOT_FOUND"
+    assert exec_calls(cloud, token) == {"POST /v1/machines/{id}/execs": 1, "POST /v1/machines/{id}/exec": 1}
+
+
+def test_resumable_exec_wire_shapes(cloud: LoopbackCloud) -> None:
+    token = "raw-execs"
+    auth = {"authorization": f"Bearer {token}"}
+    machine = make(cloud, token)
+    try:
+        path = f"/v1/machines/{machine.id}/execs"
+        exec_id = uuid.uuid4().hex
+        script = "echo run >> /tmp/runs; printf 'o\\377'; sleep 0.3; printf e >&2; exit 7"
+        start: dict[str, object] = {"command": ["sh", "-c", script],
+                                    "env": {}, "cwd": None, "timeoutSeconds": None, "execId": exec_id, "waitSeconds": 5}
+        for bad in ({**start, "background": False}, {**start, "stream": True}, {**start, "execId": "X" * 32},
+                    {**start, "execId": 7}, {**start, "waitSeconds": None}, {**start, "waitSeconds": True},
+                    {**start, "surprise": 1}, {**start, "command": []}):
+            status, _, body = raw(cloud, "POST", path, bad, auth)
+            assert status == 400, (bad, body)
+        answers = []
+        for _ in range(2):  # a retried start is the same start: one run
+            status, _, body = raw(cloud, "POST", path, start, auth)
+            assert status == 200, body
+            answers.append(json.loads(body))
+        assert answers[0]["execId"] == exec_id and answers[0]["done"] is False and answers[0]["next"] >= 1
+        after, output = 0, []
+        answer = answers[1]
+        while True:
+            assert set(answer) == {"execId", "next", "output", "done", "exitCode", "error"}, answer
+            for piece in answer["output"]:
+                assert piece["offset"] == after  # one byte sequence across both streams
+                data = base64.b64decode(piece["data"])
+                output.append((piece["stream"], data))
+                after += len(data)
+            assert answer["next"] == after
+            if answer["done"]:
+                break
+            status, _, body = raw(cloud, "GET", f"{path}/{exec_id}?after={after}&wait=5", headers=auth)
+            assert status == 200, body
+            answer = json.loads(body)
+        assert (answer["exitCode"], answer["error"]) == (7, None)
+        assert output == [("stdout", b"o\xff"), ("stderr", b"e")]
+        assert machine.read_file("/tmp/runs") == b"run\n"
+        for query in ("after=x&wait=1", "after=0", "wait=1", f"after={after + 1}&wait=0"):
+            status, _, body = raw(cloud, "GET", f"{path}/{exec_id}?{query}", headers=auth)
+            assert status == 400, (query, body)
+        # Reading after N lets the node drop what came before: asked for again, it is lost.
+        status, _, body = raw(cloud, "GET", f"{path}/{exec_id}?after={after}&wait=5", headers=auth)
+        assert status == 200 and json.loads(body) == {"execId": exec_id, "next": after, "output": [], "done": True,
+                                                      "exitCode": 7, "error": None}
+        status, _, body = raw(cloud, "GET", f"{path}/{exec_id}?after=0&wait=0", headers=auth)
+        assert status == 200 and json.loads(body)["lost"] == {"from": 0, "to": after}
+        assert raw(cloud, "DELETE", f"{path}/{exec_id}", headers=auth)[0] == 204
+        for method in ("GET", "DELETE"):
+            status, _, body = raw(cloud, method, f"{path}/{exec_id}?after=0&wait=0", headers=auth)
+            assert status == 404 and json.loads(body)["code"] == "not_found", body
+        # A delete kills a command that still runs.
+        running = {**start, "command": ["sh", "-c", "echo $$; exec sleep 60"], "execId": uuid.uuid4().hex}
+        status, _, body = raw(cloud, "POST", path, running, auth)
+        pid = b"".join(base64.b64decode(p["data"]) for p in json.loads(body)["output"]).decode().strip()
+        assert raw(cloud, "DELETE", f"{path}/{running['execId']}", headers=auth)[0] == 204
+        started = time.monotonic()
+        while machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code == 0 and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        assert machine.exec(["test", "-d", f"/proc/{pid}"]).exit_code != 0
+        machine.stop()
+        status, _, body = raw(cloud, "POST", path, {**start, "execId": uuid.uuid4().hex}, auth)
+        assert status == 409, body  # as the plain exec answers a machine that is not started
+    finally:
+        machine.delete()
+
+
+def test_output_past_the_node_buffer_is_reported_lost(cloud: LoopbackCloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    from smol import transport
+
+    from tests.smolcloud.machines import EXEC_BUFFER
+
+    size = 3 * EXEC_BUFFER
+    command = ["/bin/sh", "-c", f"head -c {size} /dev/zero | tr '\\0' a; echo end >&2"]
+    machine = make(cloud)
+    try:
+        # A stream whose reader stops: the node keeps EXEC_BUFFER of what it has not read, no more.
+        with machine.exec_stream(command) as stream:
+            events = [next(stream)]
+            record = wait_for_exec(cloud, machine.id)
+            assert record["end"] == size + 4 and record["end"] - record["base"] <= EXEC_BUFFER
+            events += list(stream)
+        assert events[-1] == {"kind": "exit", "exit_code": 0}
+        said = [e["data"] for e in events if e["kind"] == "stderr"]
+        assert said[-1] == "end\n" and len(said) == 2, said
+        dropped = re.fullmatch(r"\[smol: (\d+) bytes of output were dropped by the machine's node before this "
+                               r"client read them\]\n", said[0])
+        assert dropped is not None, said
+        kept = "".join(e["data"] for e in events if e["kind"] == "stdout")
+        assert kept == "a" * len(kept) and len(kept) + int(dropped[1]) == size
+
+        # exec, reading slower than the command prints: its error says how much was dropped.
+        fetch = transport._cloud_fetch_once
+
+        def slow_reads(base: str, key: str, method: str, path: str, **kwargs: Any) -> Any:
+            if method == "GET" and "/execs/" in path:
+                wait_for_exec(cloud, machine.id)
+            return fetch(base, key, method, path, **kwargs)
+
+        monkeypatch.setattr(transport, "_cloud_fetch_once", slow_reads)
+        with pytest.raises(SmolError, match=r"the command exited 0, but \d+ bytes of its output were dropped by "
+                                            r"the machine's node before this client read them") as info:
+            machine.exec(command)
+        assert info.value.code == "SMOLVM_ERROR"
+    finally:
+        monkeypatch.undo()
+        machine.delete()
+
+
 def test_ttl_deletes_a_machine_and_its_branches(cloud: LoopbackCloud) -> None:
     source = make(cloud, branchable=True, ttl_seconds=2, labels={"t": "ttl"})
     source.branch("ttl-child")
@@ -364,6 +608,9 @@ def test_injected_failures_and_the_sdk_retries(tmp_path: Path) -> None:
         assert info.value.status == 500 and not info.value.retryable
         machine.delete()
         assert [f["operation"] for f in server.admin("faults")["fired"]] == ["create", "exec", "delete"]
+        # Each exec was one resumable start; its reads and its delete are no new exec.
+        assert server.admin("faults")["counts"]["exec"] == 2
+        assert server.calls("tok")["POST /v1/machines/{id}/execs"] == 2
     finally:
         status, err = server.stop()
     assert status == 0, err

@@ -52,6 +52,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds a started machine reports ready=false (exercises the SDK's wait)")
     parser.add_argument("--legacy-fork-routes", action="store_true",
                         help="answer 404 on /branches routes, as a control plane from before them did")
+    parser.add_argument("--legacy-exec-routes", action="store_true",
+                        help="answer 404 on the resumable /execs routes, as a control plane from before them "
+                             "did (the SDK then runs every exec through /exec and /exec/stream)")
+    parser.add_argument("--untimed-execs", action="store_true",
+                        help="run resumable execs without their timeoutSeconds, as a node whose agent never "
+                             "enforced one (only the client's DELETE ends such a command)")
     parser.add_argument("--ttl-scale", type=float, default=1.0,
                         help="multiply every TTL by this (0.001: an hour passes in 3.6 s), for TTL tests")
     parser.add_argument("--reap-interval", type=float, default=0.5, help="seconds between TTL sweeps")
@@ -77,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smolcloud: {exc}", file=sys.stderr)
         return 2
     store = Store(images, work / "lowers", Faults([*args.fail, *args.fail_create]), args.ready_delay,
-                  args.ttl_scale)
+                  args.ttl_scale, untimed_execs=args.untimed_execs)
     (work / "lowers").mkdir()
-    server = CloudServer(("127.0.0.1", args.port), store, legacy_fork_routes=args.legacy_fork_routes)
+    server = CloudServer(("127.0.0.1", args.port), store, legacy_fork_routes=args.legacy_fork_routes,
+                         legacy_exec_routes=args.legacy_exec_routes)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -1,7 +1,7 @@
 """Failure injection: make the Nth call of an operation fail the way the real service can.
 
 ``--fail create:2:503`` makes the second create answer 503 (retryable, as ``_retryable_status``
-says of 408/429/502/503/504, transport.py:1929-1930); ``--fail branch:1:429:1`` adds a
+says of 408/429/502/503/504, transport.py:2164-2165); ``--fail branch:1:429:1`` adds a
 ``retry-after: 1`` header. ``--fail create:1:drop`` hangs up on the first create before doing
 it, ``--fail create:1:lost`` does it and then hangs up: the machine exists, the client never hears
 of it; ``--fail branch:1:stall`` never answers (a hung control plane: the connection stays open,

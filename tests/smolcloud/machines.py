@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import itertools
 import os
@@ -42,6 +43,107 @@ DEFAULT_DISK_MB = 2048
 BOOT_THREADS = 8  # a batch's branches booted side by side
 HALT_WAIT = 10.0  # seconds a halt waits for in-flight calls to notice their guest is gone
 BACKGROUND = '"$@" </dev/null >/dev/null 2>&1 & echo "pid=$!"'
+# A resumable exec's unread output the node keeps (both streams together): past it the oldest
+# unread bytes are dropped and the next read reports them ``lost``, so whatever a guest prints,
+# an exec costs the server this much. The SDK's slow reader is ExecStream's consumer.
+EXEC_BUFFER = 8 << 20
+EXEC_CHUNKS = 1 << 16  # pieces kept at most: tiny writes alternating between streams cost no more
+EXEC_MERGE = 64 << 10  # consecutive writes to one stream share a piece up to this size
+EXEC_ANSWER = 1 << 20  # output one answer carries at most (this server's choice): the SDK reads on
+FINISHED_EXECS = 32  # finished resumable execs a machine keeps for clients that never deleted them
+FINISHED_EXEC_TTL = 600.0  # seconds a finished one is kept (scaled by --ttl-scale)
+# output_limit of the guest's own copy of a resumable exec's output: every byte went through
+# on_output into the exec's buffer already, so the copy is not kept.
+EXEC_GUEST_COPY = 2
+
+
+class ResumableExec:
+    """One resumable exec on a machine's node: the command's output as one byte sequence across
+    both streams (offsets count from its first byte), of which at most ``EXEC_BUFFER`` unread
+    bytes are kept, and its end."""
+
+    def __init__(self, exec_id: str) -> None:
+        self.id = exec_id
+        self.cancel = Cancel()
+        self.changed = threading.Condition()
+        self._pieces: collections.deque[tuple[str, int, bytearray]] = collections.deque()
+        self.base = 0  # offset of the first byte kept (what came before was read, or dropped)
+        self.end = 0  # offset past the last byte the command wrote
+        self.done = False
+        self.exit_code: int | None = None
+        self.failure: wire.ApiError | None = None  # the command could not finish
+        self.ended_at = 0.0
+
+    def add(self, stream: str, data: bytes) -> None:
+        """``on_output``: never blocks the command; the oldest unread output goes instead."""
+        with self.changed:
+            last = self._pieces[-1] if self._pieces else None
+            if last is not None and last[0] == stream and len(last[2]) < EXEC_MERGE:
+                last[2].extend(data)
+            else:
+                self._pieces.append((stream, self.end, bytearray(data)))
+            self.end += len(data)
+            self._drop(self.end - EXEC_BUFFER)
+            while len(self._pieces) > EXEC_CHUNKS:
+                self._drop(self._pieces[1][1])
+            self.changed.notify_all()
+
+    def release(self, offset: int) -> None:
+        """The client has the output before ``offset``: the node need not keep it."""
+        with self.changed:
+            self._past_end(offset)
+            self._drop(offset)
+
+    def _past_end(self, offset: int) -> None:
+        if offset > self.end:
+            raise wire.bad_request(f"execs: after={offset} is past the output's end ({self.end})")
+
+    def _drop(self, offset: int) -> None:
+        while self._pieces and self.base < offset:
+            stream, start, data = self._pieces[0]
+            if start + len(data) <= offset:
+                self._pieces.popleft()
+            else:
+                self._pieces[0] = (stream, offset, data[offset - start:])
+            self.base = min(offset, start + len(data))
+        self.base = max(self.base, offset)
+
+    def finish(self, exit_code: int | None, failure: wire.ApiError | None = None) -> None:
+        with self.changed:
+            self.done, self.exit_code, self.failure = True, exit_code, failure
+            self.ended_at = time.monotonic()
+            self.changed.notify_all()
+
+    def wait(self, after: int, seconds: float) -> None:
+        """Until there is output past ``after``, or the end, or ``seconds`` have passed."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.end > after or self.done, timeout=seconds)
+
+    def start_failure(self) -> wire.ApiError | None:
+        """What its start answers instead: a failure before any output, by the time the start is
+        answered (unknown user, bad cwd, the machine stopped under it), as the plain exec's status
+        for the same case. A later one is the exec's end: exitCode null and its error."""
+        with self.changed:
+            return self.failure if self.done and self.failure is not None and self.end == 0 else None
+
+    def answer(self, after: int) -> dict[str, Any]:
+        with self.changed:
+            self._past_end(after)
+            lost = (after, self.base) if after < self.base else None
+            at = max(after, self.base)
+            output: list[tuple[str, int, bytes]] = []
+            for stream, start, data in self._pieces:
+                room = EXEC_ANSWER - (at - max(after, self.base))
+                if room <= 0:
+                    break
+                if start + len(data) <= at:
+                    continue
+                piece = bytes(data[at - start:at - start + room])
+                output.append((stream, at, piece))
+                at += len(piece)
+            done = self.done and at == self.end
+            failure = self.failure.message if self.failure is not None else None
+            return wire.exec_answer(self.id, output, at, done, self.exit_code, failure, lost)
 
 
 class Lower:
@@ -88,6 +190,8 @@ class Machine:
     op_lock: threading.Lock = field(default_factory=threading.Lock)
     busy: int = 0  # guest calls in flight (exec, files): a halt waits for them to notice
     idle: threading.Condition = field(default_factory=threading.Condition)
+    execs: dict[str, ResumableExec] = field(default_factory=dict)  # by execId; they go with the machine
+    execs_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @contextlib.contextmanager
     def using(self) -> Iterator[None]:
@@ -122,8 +226,9 @@ def iso(ts: float) -> str:
 
 class Store:
     def __init__(self, images: dict[str, Baseline], work: Path, faults: Faults,
-                 ready_delay: float = 0.0, ttl_scale: float = 1.0) -> None:
+                 ready_delay: float = 0.0, ttl_scale: float = 1.0, untimed_execs: bool = False) -> None:
         self.images = images
+        self.untimed_execs = untimed_execs  # resumable execs run without their timeoutSeconds
         self.work = work
         self.faults = faults
         self.ready_delay = ready_delay
@@ -184,7 +289,7 @@ class Store:
         self.faults.check("start")
         with machine.op_lock:
             if machine.state == "started":
-                return  # start is idempotent (transport.py:1538-1545 sends it idempotent=True)
+                return  # start is idempotent (transport.py:1766-1773 sends it idempotent=True)
             if machine.state == "deleted":
                 raise wire.not_found(f"machine {machine.id}")
             machine.guest = self._boot(machine)
@@ -196,7 +301,7 @@ class Store:
         disk_mb = machine.disk_gb * 1024 if machine.disk_gb else DEFAULT_DISK_MB
         spec = VMSpec(name=f"{machine.id}-{next(self._seq)}", baseline=machine.lower.baseline,
                       cpus=machine.cpus, memory_mb=machine.memory_mb, disk_mb=disk_mb,
-                      # The service's three egress modes (transport.py:2512-2525), each enforced by
+                      # The service's three egress modes (transport.py:2918-2931), each enforced by
                       # the namespace guest: open is NAT, blocked is none, allowCidrs is its allowlist.
                       network=machine.network.mode == "open",
                       allow_hosts=(*machine.network.cidrs, *machine.network.hosts)
@@ -261,6 +366,8 @@ class Store:
             try:
                 self._halt(machine, "deleted")
             finally:
+                with machine.execs_lock:
+                    machine.execs.clear()  # their commands ended with the guest
                 machine.lower.release()
                 if machine.snapshot is not None:
                     machine.snapshot[1].release()
@@ -278,8 +385,10 @@ class Store:
         return guest
 
     def exec(self, machine: Machine, request: wire.ExecRequest, on_output: OutputCallback | None = None,
-             cancel: Cancel | None = None) -> tuple[int, bytes, bytes, bool]:
-        self.faults.check("exec")
+             cancel: Cancel | None = None, *, inject: bool = True,
+             output_limit: int = OUTPUT_CAP) -> tuple[int, bytes, bytes, bool]:
+        if inject:
+            self.faults.check("exec")
         guest = self.running(machine, "exec")
         argv = request.argv
         if request.background:
@@ -288,7 +397,7 @@ class Store:
         try:
             with machine.using():
                 result = guest.exec(argv, env=request.env, workdir=request.cwd, stdin=request.stdin,
-                                    timeout=request.timeout, output_limit=OUTPUT_CAP, user=request.user,
+                                    timeout=request.timeout, output_limit=output_limit, user=request.user,
                                     on_output=on_output, cancel=cancel)
         except GuestUserError as exc:
             raise wire.ApiError(400, "unknown_user", f"exec in {machine.id}: {exc}") from exc
@@ -298,7 +407,10 @@ class Store:
                                     f"{exc.strerror}") from exc
             # A program that cannot start: what a shell (and so, presumably, the agent) reports.
             code = 127 if isinstance(exc, FileNotFoundError) else 126
-            return code, b"", f"{argv[0]}: {exc.strerror or exc}\n".encode(), True
+            message = f"{argv[0]}: {exc.strerror or exc}\n".encode()
+            if on_output is not None:  # a stream's reader sees it as a plain exec's stderr has it
+                on_output("stderr", message)
+            return code, b"", message, True
         except GuestError as exc:
             if machine.state != "started":
                 raise wire.interrupted(f"exec in {machine.id} was interrupted: the machine is "
@@ -308,6 +420,72 @@ class Store:
             machine.last_activity = time.monotonic()
         complete = len(result.stdout) < OUTPUT_CAP and len(result.stderr) < OUTPUT_CAP
         return result.exit_code, result.stdout, result.stderr, complete
+
+    # ------------------------------------------------------------------ resumable execs
+
+    def exec_start(self, machine: Machine, start: wire.ExecStart) -> ResumableExec:
+        """The exec ``start.exec_id`` names, started now in a thread of its own, unless a start
+        of that id came before (a retried start is the same start: nothing more is run)."""
+        with machine.execs_lock:
+            known = machine.execs.get(start.exec_id)
+        if known is not None:
+            return known
+        self.faults.check("exec")  # a start is an exec, as the plain one is; a read is not
+        self.running(machine, "exec")
+        record = ResumableExec(start.exec_id)
+        with machine.execs_lock:
+            known = machine.execs.setdefault(start.exec_id, record)
+        if known is not record:  # the same start, twice at once
+            return known
+        self._expire_execs(machine)
+        threading.Thread(target=self._run_exec, args=(machine, record, start.request), daemon=True,
+                         name=f"exec-{machine.id}-{record.id[:8]}").start()
+        return record
+
+    def _run_exec(self, machine: Machine, record: ResumableExec, request: wire.ExecRequest) -> None:
+        if self.untimed_execs:  # a node whose agent never enforced a timeout: only the client's kill ends it
+            request = dataclasses.replace(request, timeout=None)
+        try:
+            code, _out, _err, _complete = self.exec(machine, request, record.add, record.cancel, inject=False,
+                                                    output_limit=EXEC_GUEST_COPY)
+        except wire.ApiError as exc:
+            record.finish(None, exc)
+        except Exception as exc:
+            record.finish(None, wire.ApiError(500, "exec_failed", f"exec in {machine.id}: {type(exc).__name__}: "
+                                              f"{exc}"))
+        else:
+            record.finish(code)
+
+    def exec_record(self, machine: Machine, exec_id: str) -> ResumableExec:
+        with machine.execs_lock:
+            record = machine.execs.get(exec_id)
+        if record is None:
+            raise wire.not_found(f"exec {exec_id} of machine {machine.id}")
+        return record
+
+    def exec_forget(self, machine: Machine, exec_id: str) -> None:
+        """Kill the command if it still runs, and forget it."""
+        with machine.execs_lock:
+            record = machine.execs.pop(exec_id, None)
+        if record is None:
+            raise wire.not_found(f"exec {exec_id} of machine {machine.id}")
+        record.cancel.cancel()
+
+    def forget_abandoned(self, machine: Machine, record: ResumableExec) -> None:
+        """A start answered with its failure instead: there is no exec to read."""
+        with machine.execs_lock:
+            if machine.execs.get(record.id) is record:
+                del machine.execs[record.id]
+
+    def _expire_execs(self, machine: Machine) -> None:
+        """Finished execs no client deleted: past FINISHED_EXEC_TTL, or past the FINISHED_EXECS newest."""
+        now = time.monotonic()
+        with machine.execs_lock:
+            finished = sorted((r for r in machine.execs.values() if r.done), key=lambda r: r.ended_at)
+            for index, record in enumerate(finished):
+                if index < len(finished) - FINISHED_EXECS or now - record.ended_at > \
+                        FINISHED_EXEC_TTL * self.ttl_scale:
+                    del machine.execs[record.id]
 
     def read_file(self, machine: Machine, path: str) -> bytes:
         guest = self.running(machine, "read file")
@@ -442,6 +620,7 @@ class Store:
             machines = list(self.machines.values())
         removed = []
         for machine in machines:
+            self._expire_execs(machine)
             try:
                 if machine.expired(now, self.ttl_scale):
                     machine.say(f"TTL of {machine.ttl_seconds}s expired: deleting")

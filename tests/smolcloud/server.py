@@ -1,9 +1,9 @@
 """HTTP routes of the loopback smol cloud: the ``/v1`` API ``CloudTransport`` calls, and an admin view.
 
 ``http.server``'s ThreadingHTTPServer is enough: the SDK speaks plain HTTP/1.1 with keep-alive
-(its ``_CloudConnectionPool``, transport.py:2098-2226), one request per connection at a time,
-and the one streaming route (server-sent events) is a response written line by line. No
-dependency is added for a test server.
+(its ``_CloudConnectionPool``, transport.py:2496-2619), one request per connection at a time,
+and the one streaming route (server-sent events) is a response written line by line; a resumable
+exec's read is a long poll, a handler thread waiting. No dependency is added for a test server.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ DEFAULT_CPUS = 1
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_DISK_GB = 20
 MACHINE = r"/v1/machines/(?P<id>[^/]+)"
-CALL_ID = "/v1/machines/{id}"  # how /_smolcloud/calls names a machine route
+GROUP = re.compile(r"\(\?P<(\w+)>[^()]*\)")  # how /_smolcloud/calls names a route: {id}, {exec}, {path}
 
 
 def record(store: Store, machine: Machine) -> dict[str, Any]:
     """A machine as GET /v1/machines/{id} and the list return it: the fields the SDK reads
-    (transport.py:1158-1214 state/ready/readyAt/url/ports, 3020-3050 the list, 2666-2673 sizes)."""
+    (transport.py:1223-1280 state/ready/readyAt/url, 1571-1577 ports, 3413-3448 the list, 3061-3068
+    sizes)."""
     ready = store.ready(machine)
     body: dict[str, Any] = {
         "id": machine.id, "name": machine.name, "state": machine.state, "ready": ready,
@@ -59,10 +60,12 @@ class CloudServer(ThreadingHTTPServer):
     # A real control plane sits behind a load balancer; this is the server's own limit, not a model.
     request_queue_size = 1024
 
-    def __init__(self, address: tuple[str, int], store: Store, *, legacy_fork_routes: bool = False) -> None:
+    def __init__(self, address: tuple[str, int], store: Store, *, legacy_fork_routes: bool = False,
+                 legacy_exec_routes: bool = False) -> None:
         super().__init__(address, Handler)
         self.store = store
         self.legacy_fork_routes = legacy_fork_routes
+        self.legacy_exec_routes = legacy_exec_routes
         # API calls per token, keyed as the SDK sends them ("POST /v1/machines/{id}/branches/batch"):
         # how many round trips a run cost, for the concurrency benchmark and tests of batching.
         self.calls: dict[str, dict[str, int]] = {}
@@ -106,7 +109,7 @@ class Handler(BaseHTTPRequestHandler):
                 match = pattern.fullmatch(parts.path)
                 if match and verb == method:
                     if not parts.path.startswith("/_smolcloud/"):
-                        self.server.count(self.token, f"{method} {pattern.pattern.replace(MACHINE, CALL_ID)}")
+                        self.server.count(self.token, f"{method} {call_name(pattern)}")
                     handler(self, match.groupdict())
                     return
             raise wire.ApiError(404, "route_not_found", f"no route for {method} {parts.path}")
@@ -236,7 +239,7 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, wire.exec_response(exit_code, stdout, stderr, mode, request.user, complete))
 
     def exec_stream(self, args: dict[str, str]) -> None:
-        """Server-sent events as ``CloudTransport._sse_events`` parses them (transport.py:1317-1366),
+        """Server-sent events as ``CloudTransport._sse_events`` parses them (transport.py:1474-1523),
         sent as the output arrives. A client that goes away (``ExecStream.kill`` shuts its socket
         down) cancels the command, which the namespace guest then kills."""
         machine = self._machine(args)
@@ -281,10 +284,49 @@ class Handler(BaseHTTPRequestHandler):
             done.set()
         send(f"event: exit\ndata: {json.dumps({'exitCode': exit_code})}\n\n")
 
+    # ------------------------------------------------------------------ resumable execs
+
+    def _execs_route(self) -> None:
+        # A 404 on the start is what sends the SDK to the plain exec (transport.py:2248-2249).
+        if self.server.legacy_exec_routes:
+            raise wire.ApiError(404, "route_not_found", "this control plane predates resumable execs")
+
+    def execs_start(self, args: dict[str, str]) -> None:
+        """Start a resumable exec and answer as a read after 0: what came by the first output or the
+        end, waiting up to waitSeconds. A failure before any output is the start's status, as the
+        plain exec answers it (transport.py:2311-2319 then raises it, 2299-2304)."""
+        self._execs_route()
+        machine = self._machine(args)
+        start = wire.parse_exec_start(self._body())
+        record = self.server.store.exec_start(machine, start)
+        record.wait(0, start.wait)
+        failure = record.start_failure()
+        if failure is not None:
+            self.server.store.forget_abandoned(machine, record)
+            raise failure
+        self._json(200, record.answer(0))
+
+    def execs_read(self, args: dict[str, str]) -> None:
+        """The output after ``after``, waiting up to ``wait`` s for some (transport.py:2347-2353);
+        what came before ``after`` the client has, so the node drops it."""
+        self._execs_route()
+        machine = self._machine(args)
+        after, wait = wire.parse_exec_read(self.query)
+        record = self.server.store.exec_record(machine, args["exec"])
+        record.release(after)
+        record.wait(after, wait)
+        self._json(200, record.answer(after))
+
+    def execs_delete(self, args: dict[str, str]) -> None:
+        """Kill the command if it runs, and forget it (``forget``, transport.py:2355-2363)."""
+        self._execs_route()
+        self.server.store.exec_forget(self._machine(args), args["exec"])
+        self._no_content()
+
     # ------------------------------------------------------------------ files
 
     def _file_path(self, args: dict[str, str]) -> str:
-        # _encode_path (transport.py:234-237) quotes each segment and keeps "/", so an absolute
+        # _encode_path (transport.py:244-247) quotes each segment and keeps "/", so an absolute
         # path arrives as files//etc/hosts.
         path = "/".join(unquote(segment) for segment in args["path"].split("/"))
         if not path.startswith("/"):
@@ -333,6 +375,7 @@ class Handler(BaseHTTPRequestHandler):
             machines = list(store.machines.values())
         self._json(200, {"machines": [{**record(store, m), "request": m.request, "owner": m.owner,
                                        "frozen": m.frozen, "children": sorted(m.children),
+                                       "execs": exec_records(m),
                                        "network": {"mode": m.network.mode, "cidrs": list(m.network.cidrs),
                                                    "hosts": list(m.network.hosts)}}
                                       for m in machines]})
@@ -353,6 +396,18 @@ class Handler(BaseHTTPRequestHandler):
                          "fired": [f.__dict__ for f in store.faults.fired]})
 
 
+def exec_records(machine: Machine) -> list[dict[str, Any]]:
+    """A machine's resumable execs for the admin view: how much output each keeps (``end - base``)."""
+    with machine.execs_lock:
+        records = list(machine.execs.values())
+    return [{"id": r.id, "base": r.base, "end": r.end, "done": r.done, "exitCode": r.exit_code} for r in records]
+
+
+def call_name(pattern: re.Pattern[str]) -> str:
+    """A route as /_smolcloud/calls names it: ``/v1/machines/{id}/execs/{exec}``."""
+    return GROUP.sub(r"{\1}", pattern.pattern)
+
+
 def _route(method: str, pattern: str, handler: Callable[[Handler, dict[str, str]], None]) -> Route:
     return method, re.compile(pattern), handler
 
@@ -367,6 +422,9 @@ ROUTES: list[Route] = [
     _route("GET", MACHINE + r"/logs", Handler.logs),
     _route("POST", MACHINE + r"/exec", Handler.exec),
     _route("POST", MACHINE + r"/exec/stream", Handler.exec_stream),
+    _route("POST", MACHINE + r"/execs", Handler.execs_start),
+    _route("GET", MACHINE + r"/execs/(?P<exec>[^/]+)", Handler.execs_read),
+    _route("DELETE", MACHINE + r"/execs/(?P<exec>[^/]+)", Handler.execs_delete),
     _route("GET", MACHINE + r"/files/(?P<path>.+)", Handler.file_get),
     _route("PUT", MACHINE + r"/files/(?P<path>.+)", Handler.file_put),
     _route("POST", MACHINE + r"/branches", Handler.branch),

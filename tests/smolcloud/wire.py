@@ -1,4 +1,4 @@
-"""The smol cloud wire format, as smolmachines 1.32.2's ``smol/transport.py`` sends and parses it.
+"""The smol cloud wire format, as smolmachines 1.37.3's ``smol/transport.py`` sends and parses it.
 
 Every shape here is read from that file (line numbers in the comments); nothing is invented
 beyond what the SDK shows. Requests are validated strictly: a field of the wrong type, or one
@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-SDK_VERSION = "1.32.2"  # the smolmachines version these shapes were read from
-TEXT_CAP = 1 << 20  # transport.py:1246-1247: "The cloud caps the text fields at 1 MiB and flags the cut"
+SDK_VERSION = "1.37.3"  # the smolmachines version these shapes were read from
+TEXT_CAP = 1 << 20  # transport.py:1324-1325: "The cloud caps the text fields at 1 MiB and flags the cut"
 OUTPUT_MODES = ("text", "b64", "both")  # types.py ExecOptions.output
-MAX_FILE_BYTES = 100 * 1024 * 1024  # transport.py:72 CLOUD_MAX_FILE_BYTES
+MAX_FILE_BYTES = 100 * 1024 * 1024  # transport.py:74 CLOUD_MAX_FILE_BYTES
 
 
 class ApiError(Exception):
-    """An HTTP error in the shape ``_cloud_error`` (transport.py:1944-1973) parses.
+    """An HTTP error in the shape ``_cloud_error`` (transport.py:2179-2208) parses.
 
     The SDK reads ``code`` (only ``machine_interrupted`` is special) and ``retryable`` from a
     JSON body, the status (404 -> NOT_FOUND, 401 -> UNAUTHORIZED, else SMOLVM_ERROR), the
@@ -55,7 +56,7 @@ def conflict(message: str) -> ApiError:
 
 
 def interrupted(message: str) -> ApiError:
-    # transport.py:1959-1960: problem code "machine_interrupted" -> SmolError MACHINE_INTERRUPTED
+    # transport.py:2190-2192: problem code "machine_interrupted" -> SmolError MACHINE_INTERRUPTED
     return ApiError(409, "machine_interrupted", message)
 
 
@@ -135,7 +136,7 @@ CREATE_FIELDS = {"name", "source", "resources", "autoStopSeconds", "ttlSeconds",
 
 
 def parse_create(body: Any) -> CreateRequest:
-    """``POST /v1/machines`` as ``make_transport`` builds it (transport.py:2494-2545)."""
+    """``POST /v1/machines`` as ``make_transport`` builds it (transport.py:2898-2953)."""
     what = "create machine"
     body = require_object(body, what)
     _only(body, CREATE_FIELDS, what)
@@ -156,7 +157,7 @@ def parse_create(body: Any) -> CreateRequest:
         if value is not None and value < 1:
             raise bad_request(f"{what}: {key} must be at least 1")
     forkable = body.get("forkable")
-    if not isinstance(forkable, bool):  # always sent (transport.py:2507-2511)
+    if not isinstance(forkable, bool):  # always sent (transport.py:2912-2916)
         raise bad_request(f"{what}: forkable must be a boolean")
     name = _opt(body, "name", str, what)
     if name is not None and not name:
@@ -169,7 +170,7 @@ def parse_create(body: Any) -> CreateRequest:
 
 
 def parse_network(value: Any, what: str) -> Network:
-    """transport.py:2513-2525: absent = open egress; blocked; or an allow-list."""
+    """transport.py:2918-2931: absent = open egress; blocked; or an allow-list."""
     if value is None:
         return Network("open")
     if not isinstance(value, dict):
@@ -205,7 +206,8 @@ class ExecRequest:
 
 
 def parse_exec(body: Any) -> ExecRequest:
-    """``CloudTransport._command_body`` (transport.py:1114-1130) and the readiness probe (2278)."""
+    """``CloudTransport._command_body`` (transport.py:1179-1195), the user probe (1209) and the
+    readiness probe (2679)."""
     what = "exec"
     body = require_object(body, what)
     _only(body, {"command", "env", "cwd", "timeoutSeconds", "user", "background", "stdin"}, what)
@@ -238,7 +240,7 @@ def output_mode(query: dict[str, list[str]]) -> str:
 
 def exec_response(exit_code: int, stdout: bytes, stderr: bytes, mode: str, user: str | None,
                   complete: bool = True) -> dict[str, Any]:
-    """The MachineExecResponse fields ``CloudTransport.exec`` reads (transport.py:1238-1259).
+    """The MachineExecResponse fields ``CloudTransport.exec`` reads (transport.py:1303-1331).
 
     Text fields are capped at 1 MiB and flagged; the base64 fields are the whole output
     (``complete=False`` when even the server's own buffer had to drop a middle part).
@@ -256,8 +258,80 @@ def exec_response(exit_code: int, stdout: bytes, stderr: bytes, mode: str, user:
         reply["stdoutB64"] = base64.b64encode(stdout).decode()
         reply["stderrB64"] = base64.b64encode(stderr).decode()
     if user is not None:
-        reply["user"] = user  # _check_user_echo (transport.py:1867-1874)
+        reply["user"] = user  # _check_user_echo (transport.py:2102-2109)
     return reply
+
+
+# --------------------------------------------------------------------------- resumable execs
+#
+# ``_ResumableExec`` (transport.py:2253-2363): ``POST /v1/machines/{id}/execs`` starts a command the
+# machine's node owns, ``GET .../execs/{execId}?after=N&wait=W`` reads its output after byte N (and
+# lets the node drop what came before), ``DELETE .../execs/{execId}`` kills and forgets it. The SDK
+# tries it first for every exec and exec_stream that is not a background one (1288-1291, 1385-1393);
+# a 404, 405 or 501 on the start sends it back to the plain exec (``_resumable_verdict``, 2235-2250).
+
+EXEC_ID = re.compile(r"[0-9a-f]{32}")  # os.urandom(16).hex() (transport.py:2261)
+# The longest a start or read is held waiting for output. The SDK asks 20 s (_RESUMABLE_WAIT_S,
+# transport.py:2225) and gives a read 50 s on the wire (2227): a longer hold is its timeout.
+MAX_EXEC_WAIT = 30
+
+
+@dataclass(frozen=True)
+class ExecStart:
+    exec_id: str
+    wait: int
+    request: ExecRequest
+
+
+def parse_exec_start(body: Any) -> ExecStart:
+    """``_ResumableExec.__init__`` (transport.py:2257-2264): ``_command_body`` less ``background`` and
+    ``stream`` (the SDK strips them: a resumable exec is neither), plus ``execId`` and ``waitSeconds``."""
+    what = "execs"
+    body = require_object(body, what)
+    refused = sorted({"background", "stream"} & set(body))
+    if refused:
+        raise bad_request(f"{what}: {', '.join(refused)} is not taken by a resumable exec")
+    exec_id = body.get("execId")
+    if not isinstance(exec_id, str) or not EXEC_ID.fullmatch(exec_id):
+        raise bad_request(f"{what}: execId must be 32 lowercase hex digits, got {exec_id!r}")
+    wait = body.get("waitSeconds")
+    if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
+        raise bad_request(f"{what}: waitSeconds must be a whole number of seconds >= 0, got {wait!r}")
+    request = parse_exec({k: v for k, v in body.items() if k not in ("execId", "waitSeconds")})
+    return ExecStart(exec_id, min(wait, MAX_EXEC_WAIT), request)
+
+
+def parse_exec_read(query: dict[str, list[str]]) -> tuple[int, int]:
+    """``?after=<next>&wait=<seconds>``, both always sent (``pieces``, transport.py:2347-2350):
+    the offset after which output is wanted, and how long to wait for some."""
+    found = []
+    for key in ("after", "wait"):
+        values = query.get(key) or []
+        if len(values) != 1 or not values[0].isdigit():
+            raise bad_request(f"execs: {key} must be one whole number >= 0, got {values!r}")
+        found.append(int(values[0]))
+    return found[0], min(found[1], MAX_EXEC_WAIT)
+
+
+def exec_answer(exec_id: str, output: list[tuple[str, int, bytes]], next_offset: int, done: bool,
+                exit_code: int | None, error: str | None, lost: tuple[int, int] | None) -> dict[str, Any]:
+    """A start's or a read's answer, as ``start`` and ``pieces`` read it (transport.py:2316,
+    2328-2346): ``execId`` (its absence means "no resumable execs here"), ``output`` pieces at
+    offsets in ONE byte sequence across both streams (the client keeps one ``next``; a piece
+    past it is never taken), ``next`` the end of what this answer carries, ``done`` only with
+    the last of the output (the SDK ends once ``done`` and ``next`` <= its own), then
+    ``exitCode``, or null and ``error`` for a command that could not finish (``_exec_resumable``
+    raises MACHINE_INTERRUPTED, 1349-1353), and ``lost`` where unread output was dropped
+    (1354-1359: exec raises; 1457-1462: a stream says so on stderr)."""
+    answer: dict[str, Any] = {
+        "execId": exec_id, "next": next_offset,
+        "output": [{"stream": stream, "offset": offset, "data": base64.b64encode(data).decode()}
+                   for stream, offset, data in output],
+        "done": done, "exitCode": exit_code if done else None, "error": error if done else None,
+    }
+    if lost is not None:
+        answer["lost"] = {"from": lost[0], "to": lost[1]}
+    return answer
 
 
 # --------------------------------------------------------------------------- branches
@@ -271,7 +345,7 @@ class BranchRequest:
 
 
 def parse_branch(body: Any, *, legacy: bool) -> BranchRequest:
-    """``CloudTransport.fork`` (transport.py:1657-1705): /branches says branchable, /fork forkable."""
+    """``CloudTransport.fork`` (transport.py:1887-1937): /branches says branchable, /fork forkable."""
     what = "fork" if legacy else "branch"
     body = require_object(body, what)
     flag = "forkable" if legacy else "branchable"
@@ -284,8 +358,8 @@ def parse_branch(body: Any, *, legacy: bool) -> BranchRequest:
 
 
 def parse_branch_batch(body: Any) -> BranchRequest:
-    """``CloudTransport.fork_batch`` (transport.py:1707-1763); names resolve as
-    ``_resolve_batch_names`` says the control plane does (transport.py:1850-1864)."""
+    """``CloudTransport.fork_batch`` (transport.py:1939-1998); names resolve as
+    ``_resolve_batch_names`` says the control plane does (transport.py:2085-2099)."""
     what = "branch batch"
     body = require_object(body, what)
     _only(body, {"ports", "names", "count", "namePrefix", "freezeSource"}, what)
@@ -318,7 +392,7 @@ def parse_tail(query: dict[str, list[str]]) -> int:
 
 
 def parse_label_filter(query: dict[str, list[str]]) -> dict[str, str]:
-    """``?label=k%3Dv`` repeated, ANDed (transport.py:3018-3019)."""
+    """``?label=k%3Dv`` repeated, ANDed (transport.py:3414-3415)."""
     wanted: dict[str, str] = {}
     for item in query.get("label", []):
         key, sep, value = item.partition("=")
