@@ -20,18 +20,24 @@ SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", 
 
 
 @contextlib.contextmanager
-def cloud_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *faults: str) -> Iterator[LoopbackCloud]:
-    """A loopback cloud of its own with ``--fail`` ``faults``, the environment pointed at it;
-    after the body it must hold no machine and stop cleanly."""
-    server = LoopbackCloud(*[arg for fault in faults for arg in ("--fail", fault)], state_dir=tmp_path / "state")
+def cloud_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Iterator[LoopbackCloud]:
+    """A loopback cloud started with ``args``, the environment pointed at it; after the body it
+    must hold no machine and stop cleanly."""
+    server = LoopbackCloud(*args, state_dir=tmp_path / "state")
     try:
         for key, value in server.env().items():
             monkeypatch.setenv(key, value)
         yield server
-        assert server.wait_for_no_machines() == [], f"{faults}: machines left on the cloud"
+        assert server.wait_for_no_machines() == [], f"{args}: machines left on the cloud"
     finally:
         status, err = server.stop()
     assert status == 0, err
+
+
+def cloud_failing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                  *faults: str) -> contextlib.AbstractContextManager[LoopbackCloud]:
+    """:func:`cloud_of_its_own` with ``--fail`` ``faults``."""
+    return cloud_of_its_own(tmp_path, monkeypatch, *[arg for fault in faults for arg in ("--fail", fault)])
 
 
 # (5xx answers to a branch are tests/test_smol_cloud_plugin.py's; a dropped connection
@@ -135,3 +141,63 @@ def test_vm_branch_whose_clones_never_become_ready_fails_within_its_bound(
         result = pytester.runpytest_subprocess(*SMOL, timeout=60)
         result.assert_outcomes(passed=1)
         assert [f["operation"] for f in server.admin("faults")["fired"]] == ["branch"]
+
+
+def test_an_exec_its_node_never_times_out_is_killed_by_the_host(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's resumable exec (1.37.3) has no deadline of its own: a node that never enforced
+    ``timeoutSeconds`` held ``exec(timeout=1)`` until the command ended by itself. Now the host
+    kills it (the exec's DELETE) once the timeout and its grace have passed."""
+    with cloud_of_its_own(tmp_path, monkeypatch, "--untimed-execs") as server:
+        pytester.makeconftest("""
+            import dataclasses
+            from pytest_smolvm import limits
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, smol_exec_cancel_grace=2.0)
+        """)
+        pytester.makepyfile("""
+            import time
+
+            def test_untimed(smol_vm):
+                began = time.monotonic()
+                result = smol_vm.exec("echo started; sleep 40", timeout=1)
+                assert result.timed_out and result.exit_code == 124, result
+                assert time.monotonic() - began < 15
+                # the DELETE reached the node, which killed the command
+                for _ in range(50):
+                    if smol_vm.exec("pgrep -x sleep").exit_code != 0:
+                        break
+                    time.sleep(0.1)
+                assert smol_vm.exec("pgrep -x sleep").exit_code != 0, "the command still runs"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=120)
+        result.assert_outcomes(passed=1)
+        calls = server.calls(server.token)
+        assert calls.get("DELETE /v1/machines/{id}/execs/{exec}"), calls
+
+
+def test_a_flood_of_output_holds_only_its_cap_in_host_memory(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's resumable exec kept every byte a command printed before the plugin's cap
+    applied (and failed the exec where the node had dropped some): 200 MB of output cost the
+    host 200 MB. Now each stream's head and tail are all that is held while it reads on."""
+    with cloud_of_its_own(tmp_path, monkeypatch):
+        pytester.makeconftest("""
+            import dataclasses
+            from pytest_smolvm import limits
+            limits.LIMITS = dataclasses.replace(limits.LIMITS, output_bytes=1 << 20)
+        """)
+        pytester.makepyfile("""
+            import resource
+
+            def test_flood(smol_vm):
+                smol_vm.exec("true")
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                result = smol_vm.exec("head -c 200000000 /dev/zero; echo end >&2")
+                grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+                assert result.exit_code == 0 and "stdout" in result.truncated, result
+                assert len(result.stdout_bytes) <= 1 << 20 and set(result.stdout_bytes) == {0}
+                assert result.stderr.endswith("end\\n")
+                assert grown < 64, f"the host grew by {grown} MiB"
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=300)
+        result.assert_outcomes(passed=1)

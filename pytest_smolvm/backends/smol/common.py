@@ -90,7 +90,7 @@ def is_retryable(exc: SmolError) -> bool:
     """Whether a failed provisioning call is worth repeating (with a new name).
 
     The cloud says so itself: ``SmolError.retryable`` comes from the problem body's
-    ``retryable`` or, failing that, from 408/429/502/503/504 (transport.py:1944-1973).
+    ``retryable`` or, failing that, from 408/429/502/503/504 (transport.py:2179-2205).
     """
     return bool(getattr(exc, "retryable", False)) or exc.code in RETRYABLE_CODES
 

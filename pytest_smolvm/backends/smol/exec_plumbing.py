@@ -1,7 +1,7 @@
 """Running a command in a smol machine: exit status, bounded output, timeouts and cancellation.
 
 On the cloud one SDK call carries the output byte-exact (``ExecOptions(output="b64")``, the
-``?output=b64`` query; transport.py:1231-1259). The local SDK hands output back already decoded
+``?output=b64`` query; transport.py:1282-1331). The local SDK hands output back already decoded
 as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each command's
 stdout/stderr go to files in the guest, trimmed there and read back by :mod:`.streamed_read`.
 That also means a background process that keeps the command's stdout open can never hold a local exec
@@ -22,7 +22,7 @@ from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
 from pytest_smolvm.backends.output import bounded
 from pytest_smolvm.backends.smol import handle as smol_handle
 from pytest_smolvm.backends.smol.common import KILLED_EXITS, TIMEOUT_CODES, TIMEOUT_EXIT, _describe, _is_gone
-from pytest_smolvm.backends.smol.sdk import exec_cancellable
+from pytest_smolvm.backends.smol.sdk import exec_bounded, exec_cancellable
 from pytest_smolvm.backends.smol.streamed_read import read_capped
 from pytest_smolvm.errors import GuestError
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 # The agent kills a timed-out command itself; this host-side backstop only fires if it does not.
 # mkdir/tar/rm for file transfers: generous for big trees, but a wedged guest must not hang a test.
 SCRATCH = "/tmp/.pytest-smolvm"  # per-guest exec plumbing files (one exec at a time per guest)
+PLUMBING_OUTPUT_LIMIT = 1 << 20  # bytes of each stream kept of the plugin's own commands (read for errors)
 # Runs the command with its output in files. Arguments: mode (run|trim), file prefix, output
 # limit, stdin file ("" for none), then argv. "trim" only shortens files a timed-out "run" left.
 # Oversized output keeps its head and tail; the dropped byte counts are printed for the host.
@@ -137,7 +138,8 @@ class ExecPlumbing:
                            stdin=text_stdin, output="b64")
         started = time.monotonic()
         try:
-            result = self._machine.exec(argv, opts)
+            with exec_bounded(timeout, output_limit) as bound:
+                result = self._machine.exec(argv, opts)
         except SmolError as exc:
             if timeout is None or exc.code not in TIMEOUT_CODES:
                 raise GuestError(f"exec in {self.name} failed: {_describe(exc)}") from exc
@@ -148,7 +150,7 @@ class ExecPlumbing:
         timed_out = timeout is not None and result.exit_code in KILLED_EXITS and elapsed >= timeout
         limit = max(int(output_limit), 2)
         out, err = result.stdout_bytes, result.stderr_bytes
-        truncated = tuple(name for name, data in (("stdout", out), ("stderr", err)) if len(data) > limit)
+        truncated = tuple(name for name, data in (("stdout", out), ("stderr", err)) if len(data) > limit or bound.cut)
         return GuestExecResult(TIMEOUT_EXIT if timed_out else result.exit_code, bounded(out, limit),
                                bounded(err, limit), timed_out, truncated)
 
@@ -205,11 +207,10 @@ class ExecPlumbing:
         from smol import ExecOptions
 
         opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout, user=user, stdin=stdin)
-        if timeout is None:
-            return self._machine.exec(command, opts)
-        canceller, run = exec_cancellable(self._machine, command, opts)
-        if canceller is None or run is None:
-            return self._machine.exec(command, opts)
+        canceller, run = exec_cancellable(self._machine, command, opts) if timeout is not None else (None, None)
+        if timeout is None or canceller is None or run is None:  # the cloud: bounded in the SDK's exec
+            with exec_bounded(timeout, PLUMBING_OUTPUT_LIMIT):
+                return self._machine.exec(command, opts)
         timer = threading.Timer(timeout + limits.LIMITS.smol_exec_cancel_grace, canceller.cancel)
         timer.daemon = True
         timer.start()

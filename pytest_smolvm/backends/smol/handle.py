@@ -29,6 +29,7 @@ from pytest_smolvm.backends.argv import MAX_ARG_STRLEN, argv_size, too_big
 from pytest_smolvm.backends.base import Cancel, GuestExecResult, OutputCallback
 from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.backends.smol.common import exec_error
+from pytest_smolvm.backends.smol.sdk import exec_bounded
 from pytest_smolvm.backends.smol.streamed_read import read_capped
 from pytest_smolvm.errors import GuestError, GuestUserError
 
@@ -138,17 +139,14 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
                              "binary input in a file (write_file) instead") from None
     opts = ExecOptions(env=dict(env) or None, workdir=workdir, timeout=timeout, user=user, stdin=text_stdin)
     out, err = BoundedBuffer(output_limit), BoundedBuffer(output_limit)
-    started = time.monotonic()
-    try:
-        stream = machine.exec_stream(list(argv), opts)
-    except SmolError as exc:
-        raise exec_error(exc, name, user) from exc
+    streams: list[Any] = []  # the stream, once the SDK has handed it over
 
     def kill() -> None:
         # Closing the stream kills the command locally; on the cloud that is up to the control
         # plane, and a blocked read may not even notice. So the command is killed by its pid
         # too. In a thread of its own: the cancelling thread may be an event loop.
-        stream.kill()
+        if streams:
+            streams[0].kill()
         try:
             run(["/bin/sh", "-c", KILL_SCRIPT, "pytest-smolvm", pidfile], env={}, workdir=None, timeout=60)
         except Exception:  # the guest is gone: nothing is left to kill
@@ -157,8 +155,22 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
     def kill_soon() -> None:
         threading.Thread(target=kill, name="smol-exec-cancel", daemon=True).start()
 
+    # Before the stream exists: a resumable exec's start asks the node to wait up to 20 s for
+    # the command's first output (waitSeconds, transport.py:2225, 2264), and a cancel meanwhile
+    # must reach the command.
     if cancel is not None:
         cancel.add(kill_soon)
+    started = time.monotonic()
+    try:
+        with exec_bounded(timeout, None) as bound:  # its output is bounded here, as it arrives
+            stream = machine.exec_stream(list(argv), opts)
+    except SmolError as exc:
+        if cancel is not None:
+            cancel.remove(kill_soon)
+        raise exec_error(exc, name, user) from exc
+    streams.append(stream)
+    if cancel is not None and cancel.cancelled:
+        kill_soon()  # the kill may have come before the command wrote its pid, or had no stream
     exit_code: int | None = None
     try:
         for event in stream:
@@ -187,7 +199,7 @@ def stream_exec(machine: Machine, run: Runner, argv: Sequence[str], *, name: str
         exit_code = 128 + 9
     elapsed = time.monotonic() - started
     timed_out = timeout is not None and exit_code in KILLED_EXITS and elapsed >= timeout and not cancelled
-    truncated = tuple(s for s, b in (("stdout", out), ("stderr", err)) if b.dropped)
+    truncated = tuple(s for s, b in (("stdout", out), ("stderr", err)) if b.dropped or bound.cut)
     return GuestExecResult(TIMEOUT_EXIT if timed_out else exit_code, out.value(), err.value(), timed_out,
                            truncated, cancelled)
 

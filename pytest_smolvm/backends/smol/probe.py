@@ -51,7 +51,7 @@ CACHE_FILE = "probe.json"
 TIMEOUT_TTL = 600.0
 PROBE_NAME_PREFIX = "pytest-smolvm-probe-"
 # What changes how a guest boots, so a cached answer is only reused when these are unchanged.
-# Not SMOLVM_SECCOMP/SMOLVM_LANDLOCK: importing smol sets them itself (transport.py:303-304), so
+# Not SMOLVM_SECCOMP/SMOLVM_LANDLOCK: importing smol sets them itself (transport.py:313-314), so
 # they differ between a process that imported it and one that did not, for the same host.
 BOOT_ENV_KNOBS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR", "SMOLVM_BOOT_BINARY", "SMOLVM_AGENT_ROOTFS",
                   "SMOLVM_AGENT_ROOTFS_TAR", "XDG_CACHE_HOME", "XDG_DATA_HOME")

@@ -21,10 +21,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_smolvm.backends.output import BoundedBuffer
+
 if TYPE_CHECKING:
     from smol import ExecOptions, Machine, SmolError
 
-SDK_VERSION_READ = "1.32.2"
+SDK_VERSION_READ = "1.37.3"
 
 
 def installed_version() -> str | None:
@@ -38,8 +40,8 @@ def exec_cancellable(machine: Machine, command: list[str],
                      opts: ExecOptions) -> tuple[Any, Callable[[], Any]] | tuple[None, None]:
     """``(canceller, run)`` for an exec another thread can kill, or ``(None, None)``.
 
-    ``Machine._exec_cancellable`` (machine.py:399-406) is private: it wraps the local
-    transport's ``canceller()`` (transport.py:792-794) so a host-side timer can kill a command
+    ``Machine._exec_cancellable`` (machine.py:405-412) is private: it wraps the local
+    transport's ``canceller()`` (transport.py:807-809) so a host-side timer can kill a command
     whose guest agent never enforced its timeout. The cloud has no canceller (None, None).
     """
     make = getattr(machine, "_exec_cancellable", None)
@@ -92,6 +94,7 @@ _patch_lock = threading.Lock()
 # answered, taken by the wait (which fork_batch runs in threads of its own, outside the bound)
 _ready_by: dict[str, float] = {}
 _ready_lock = threading.Lock()  # the branch answers and the waits come from many threads
+_exec_bound = threading.local()  # the ExecBound of the exec_bounded block this thread is in
 
 
 def engine_bounded(target: str, ready: float | None = None) -> contextlib.AbstractContextManager[None]:
@@ -107,20 +110,20 @@ def start_checked(bound: float, ready: float | None = None) -> Iterator[None]:
     swallowed.
 
     A branch POST goes out with the SDK's 30-minute ``CLOUD_START_TIMEOUT_S`` (transport.py:
-    1668-1676, 1730-1750): a control plane that never answers held a test's setup that long. In
+    1898-1928, 1965-1983): a control plane that never answers held a test's setup that long. In
     this block its timeout is ``bound``; the SDK's error then is a retryable provisioning error.
 
-    ``make_transport``'s cloud create (transport.py:2546-2586) sends the start POST with the
+    ``make_transport``'s cloud create (transport.py:2953-2995) sends the start POST with the
     30-minute ``CLOUD_START_TIMEOUT_S``, not as idempotent (so the SDK never resends it, even on a
     503 that says retry), and catches its ``SmolError``: one 503 there left the machine created,
     never started, and the run waited the whole readiness timeout. In this block that POST
-    (``_cloud_fetch``, transport.py:1991-2021) goes out idempotent, as the SDK's own
-    ``CloudTransport.start`` sends it (transport.py:1536-1543; the engine's start of a started
+    (``_cloud_fetch``, transport.py:2381-2416) goes out idempotent, as the SDK's own
+    ``CloudTransport.start`` sends it (transport.py:1761-1775; the engine's start of a started
     machine is a no-op), so the SDK's retry loop resends it where the error says retry, with a
     timeout of ``bound``; if it still fails, :class:`StartFailed` ends the create at once.
 
     A branch's answer is followed by the SDK's readiness wait for each clone (module-global
-    ``_wait_for_ready``, transport.py:1704 and, in a thread pool, 1760) with its default 120 s,
+    ``_wait_for_ready``, transport.py:1936 and, in a thread pool, 1995) with its default 120 s,
     whatever the caller's bound: a clone stuck booting held the test's setup that long. The ids a
     bounded branch returns get ``ready`` (else ``bound``) from its answer, and the wait ends there
     with the SDK's own ``TIMEOUT`` error (retryable: the pool makes the guest again).
@@ -172,7 +175,7 @@ def start_checked(bound: float, ready: float | None = None) -> Iterator[None]:
 
 def _bound_readiness(answer: Any, bound: float) -> None:
     """Note the clones a branch answered with (``{"id"}``, or ``{"clones": [{"id"}]}`` for a
-    batch: transport.py:1702, 1751-1755) as due ready within ``bound``."""
+    batch: transport.py:1933, 1985-1989) as due ready within ``bound``."""
     now = time.monotonic()
     answer = answer if isinstance(answer, dict) else {}
     clones = [answer, *(answer.get("clones") or [])]
@@ -182,6 +185,123 @@ def _bound_readiness(answer: Any, bound: float) -> None:
         for clone in clones:
             if isinstance(clone, dict) and isinstance(clone.get("id"), str):
                 _ready_by[clone["id"]] = now + bound
+
+
+class ExecBound:
+    """What :func:`exec_bounded` holds a resumable exec to, and whether its output was ``cut``."""
+
+    def __init__(self, seconds: float | None, output_limit: int | None, resumable: bool = True) -> None:
+        self.seconds, self.output_limit, self.resumable = seconds, output_limit, resumable
+        self.cut = False  # the node dropped output before it was read: the streams have a hole
+
+
+@contextlib.contextmanager
+def exec_bounded(timeout: float | None, output_limit: int | None, *, resumable: bool = True) -> Iterator[ExecBound]:
+    """Resumable cloud execs this thread starts in this block, bounded on the host.
+
+    From 1.37.3 ``CloudTransport.exec`` and ``exec_stream`` run a command as a resumable exec
+    where the control plane has them (``_ResumableExec``, transport.py:2253-2364; made at
+    1334 and 1386). Its reads ride out failures for ``_RESUMABLE_BUDGET_S`` (600 s) and
+    nothing ends it but the command's end: the plain exec's HTTP timeout (the command's timeout
+    + 30 s, 1297-1300) is gone, so a node that never enforced a timeout held the call for ever.
+    And ``exec`` keeps every byte the command printed (1338-1345) before our cap applied:
+    a guest printing for a minute filled the host's memory; output the node dropped before it
+    was read (``lost``) failed the whole exec (1354-1359).
+
+    In this block such an exec is killed (its ``DELETE``, as ``exec_stream``'s kill does) once
+    ``timeout`` + ``LIMITS.smol_exec_cancel_grace`` have passed, ending in the SDK's
+    ``TIMEOUT`` error. With an ``output_limit``, each stream's head and tail are kept, a byte
+    more than the cap together (so the caller sees that it was cut), while it reads on to the
+    exit status; lost output marks the result ``cut``. ``None``: no bound.
+
+    ``resumable=False`` makes such an exec the plain one (as on a control plane without them,
+    1385-1393): the host's file transfers stream there, since a node drops a resumable exec's
+    output that its reader has not taken in time (``lost``: a 64 MiB read through the loopback
+    cloud lost most of itself), and a transfer with a hole is no transfer.
+    """
+    from pytest_smolvm import limits
+
+    _install_exec_bound()
+    bound = ExecBound(None if timeout is None else timeout + limits.LIMITS.smol_exec_cancel_grace, output_limit,
+                      resumable)
+    previous = getattr(_exec_bound, "value", None)
+    _exec_bound.value = bound
+    try:
+        yield bound
+    finally:
+        _exec_bound.value = previous
+
+
+def _install_exec_bound() -> None:
+    from smol import SmolError, transport
+
+    with _patch_lock:
+        resumable = getattr(transport, "_ResumableExec", None)
+        if resumable is None or getattr(resumable, "_pytest_smolvm", False):
+            return  # an SDK before resumable execs (bounded by its HTTP timeout), or done already
+
+        class BoundedResumableExec(resumable):  # type: ignore[misc, valid-type]
+            _pytest_smolvm = True
+
+            def start(self) -> bool:
+                self._bound: ExecBound = getattr(_exec_bound, "value", None) or ExecBound(None, None)
+                self._expired = False
+                self._timer: threading.Timer | None = None
+                if not self._bound.resumable:
+                    return False  # the SDK's answer to "this control plane has none": the plain exec
+                if self._bound.seconds is not None:
+                    self._timer = threading.Timer(self._bound.seconds, self._expire)
+                    self._timer.daemon = True
+                    self._timer.start()
+                try:
+                    started = bool(super().start())
+                except SmolError as exc:
+                    self._stop_timer()
+                    if self._expired:
+                        raise self._timed_out() from exc
+                    raise
+                except BaseException:
+                    self._stop_timer()
+                    raise
+                if not started:
+                    self._stop_timer()
+                return started
+
+            def _expire(self) -> None:
+                self._expired = True
+                self.cancelled.set()  # no more reads or retries
+                self.forget()  # the node kills the command
+
+            def _stop_timer(self) -> None:
+                if self._timer is not None:
+                    self._timer.cancel()
+
+            def _timed_out(self) -> SmolError:
+                return SmolError("TIMEOUT", f"exec killed by the host after {self._bound.seconds:g}s "
+                                 "(its timeout and the grace after it)")
+
+            def pieces(self) -> Iterator[tuple[Any, ...]]:
+                limit = self._bound.output_limit
+                kept = {name: BoundedBuffer(limit + 2) for name in ("stdout", "stderr")} if limit is not None else {}
+                try:
+                    for piece in super().pieces():
+                        if piece[0] == "lost":
+                            self._bound.cut = True
+                            if kept:
+                                continue  # a hole, like the middle a bounded stream drops
+                        elif piece[0] in kept:
+                            kept[piece[0]].add(piece[1])
+                            continue
+                        elif piece[0] == "end":  # what was kept, whole, then the end
+                            yield from ((name, buffer.value()) for name, buffer in kept.items())
+                        yield piece
+                finally:
+                    self._stop_timer()
+                if self._expired:
+                    raise self._timed_out()
+
+        BoundedResumableExec.__name__ = BoundedResumableExec.__qualname__ = "_ResumableExec"
+        transport._ResumableExec = BoundedResumableExec  # type: ignore[misc]
 
 
 def private_api_problems() -> list[str]:
@@ -218,4 +338,13 @@ def private_api_problems() -> list[str]:
     elif not all("_wait_for_ready" in inspect.getsource(method)
                  for method in (transport.CloudTransport.fork, transport.CloudTransport.fork_batch)):
         problems.append("CloudTransport.fork/fork_batch no longer wait through _wait_for_ready (start_checked)")
+    resumable = getattr(transport, "_ResumableExec", None)
+    if resumable is not None:  # 1.37.3 and later (exec_bounded)
+        problems += [f"smol.transport._ResumableExec.{name} is gone (exec_bounded)"
+                     for name in ("start", "pieces", "forget") if not callable(getattr(resumable, name, None))]
+        if "self.cancelled" not in inspect.getsource(resumable.__init__):
+            problems.append("smol.transport._ResumableExec no longer has its cancelled event (exec_bounded)")
+        if not all("_ResumableExec(" in inspect.getsource(method)
+                   for method in (transport.CloudTransport._exec_resumable, transport.CloudTransport.exec_stream)):
+            problems.append("CloudTransport.exec/exec_stream no longer make a _ResumableExec (exec_bounded)")
     return problems

@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from pytest_smolvm.backends.output import BoundedBuffer
 from pytest_smolvm.backends.smol.common import _describe, exec_error
+from pytest_smolvm.backends.smol.sdk import exec_bounded
 from pytest_smolvm.errors import GuestError
 
 if TYPE_CHECKING:
@@ -62,8 +63,9 @@ class GuestBytes:
 
         self.what = f"{what} in {name}"  # how errors name this transfer
         try:
-            self._stream = machine.exec_stream(["/bin/sh", "-c", script, "pytest-smolvm", *args],
-                                               ExecOptions(timeout=timeout, user=user))
+            with exec_bounded(timeout, None, resumable=False):  # no hole in a transfer (sdk.py)
+                self._stream = machine.exec_stream(["/bin/sh", "-c", script, "pytest-smolvm", *args],
+                                                   ExecOptions(timeout=timeout, user=user))
         except SmolError as exc:
             raise (exec_error(exc, name, user) if user is not None
                    else GuestError(f"{what} in {name}: {_describe(exc)}")) from exc
