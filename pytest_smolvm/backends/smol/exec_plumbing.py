@@ -1,7 +1,9 @@
 """Running a command in a smol machine: exit status, bounded output, timeouts and cancellation.
 
-On the cloud one SDK call carries the output byte-exact (``ExecOptions(output="b64")``, the
-``?output=b64`` query; transport.py:1282-1331). The local SDK hands output back already decoded
+On the cloud one SDK call carries the output byte-exact: a resumable exec's output comes as
+base64 pieces (1.37.3, transport.py:2321-2346; bounded by ``sdk.exec_bounded``), and on a control
+plane without them ``ExecOptions(output="b64")`` asks for it (the ``?output=b64`` query;
+transport.py:1297-1331). The local SDK hands output back already decoded
 as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each command's
 stdout/stderr go to files in the guest, trimmed there and read back by :mod:`.streamed_read`.
 That also means a background process that keeps the command's stdout open can never hold a local exec
