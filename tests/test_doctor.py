@@ -238,6 +238,28 @@ def test_doctor_output_reads_as_blocks(monkeypatch: pytest.MonkeyPatch, isolated
     assert any(line.startswith("verdict: ") for line in lines) and "reason: [SMOLVM_ERROR]" in output
 
 
+def test_doctor_says_which_smolmachines_pytest_smolvm_was_checked_against(
+        monkeypatch: pytest.MonkeyPatch, isolated_cache: Path) -> None:
+    """A new SDK release (1.37.3 came out under 1.32.2's reading and changed the cloud exec):
+    the doctor says the installed version was not the one read, whether the internals the
+    smol backend uses are still there, and how to get the version read."""
+    from smol import transport
+
+    from pytest_smolvm.backends.smol import sdk
+
+    installed = sdk.installed_version()
+    assert "smolmachines: " + f"{installed}, the version pytest-smolvm was checked against" in \
+        _doctor_where_the_engine_refused_an_oom_score(monkeypatch)
+    monkeypatch.setattr(sdk, "SDK_VERSION_READ", "1.0.0")
+    output = " ".join(_doctor_where_the_engine_refused_an_oom_score(monkeypatch).split())
+    assert f"[warn] smolmachines: {installed}; pytest-smolvm was checked against 1.0.0: the SDK internals" \
+           in output and "pip install 'smolmachines==1.0.0'" in output, output
+    monkeypatch.delattr(transport, "_wait_for_ready")
+    output = " ".join(_doctor_where_the_engine_refused_an_oom_score(monkeypatch).split())
+    assert f"[FAIL] smolmachines: {installed}; pytest-smolvm was checked against 1.0.0, and SDK internals" \
+           in output and "_wait_for_ready" in output, output
+
+
 def test_doctor_explains_a_pvm_host(tmp_path: Path) -> None:
     evidence = pvm_evidence()
     if evidence is None:

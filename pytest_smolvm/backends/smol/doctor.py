@@ -24,6 +24,7 @@ from pytest_smolvm.backends.base import ProbeResult
 from pytest_smolvm.backends.selection import select_backend
 from pytest_smolvm.backends.smol import boot_failures
 from pytest_smolvm.backends.smol import probe as probe_mod
+from pytest_smolvm.backends.smol import sdk as smol_sdk
 from pytest_smolvm.backends.smol.boot_failures import KvmFacts, kvm_facts, pvm_evidence, user_name
 
 # The VMM drops to a uid from this range before opening /dev/kvm (smolmachines' per-VM uid isolation).
@@ -68,7 +69,18 @@ def _check_smolmachines(report: Report) -> bool:
         report.line("FAIL", "smolmachines", "not installed")
         report.fix("pip install smolmachines (the smol backend and the bundled Alpine baseline come with it)")
         return False
-    report.line("ok", "smolmachines", installed)
+    read = smol_sdk.SDK_VERSION_READ
+    if installed == read:
+        report.line("ok", "smolmachines", f"{installed}, the version pytest-smolvm was checked against")
+        return True
+    changed = smol_sdk.internals_problems()
+    if changed:
+        report.line("FAIL", "smolmachines", f"{installed}; pytest-smolvm was checked against {read}, and SDK "
+                    f"internals its smol backend uses have changed: {'; '.join(changed)}")
+    else:
+        report.line("warn", "smolmachines", f"{installed}; pytest-smolvm was checked against {read}: the SDK "
+                    "internals its smol backend uses are all there, but what changed in between was not read")
+    report.fix(f"pip install 'smolmachines=={read}' to run the SDK version pytest-smolvm was checked against")
     return True
 
 

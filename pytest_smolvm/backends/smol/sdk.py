@@ -305,7 +305,8 @@ def _install_exec_bound() -> None:
 
 
 def private_api_problems() -> list[str]:
-    """What this module relies on that the installed SDK no longer offers (empty: all holds)."""
+    """What this module relies on that the installed SDK no longer offers (empty: all holds),
+    a version other than the one read first."""
     installed = installed_version()
     if installed is None:
         return ["smolmachines is not installed"]
@@ -313,6 +314,12 @@ def private_api_problems() -> list[str]:
     if installed != SDK_VERSION_READ:
         problems.append(f"smolmachines {installed} is installed but pytest_smolvm.backends.smol.sdk.py was "
                         f"read from {SDK_VERSION_READ}: re-read the SDK and update it")
+    return problems + internals_problems()
+
+
+def internals_problems() -> list[str]:
+    """The SDK internals this module uses that the installed SDK lacks or has changed (imports ``smol``)."""
+    problems = []
     from smol import Machine
     from smol.transport import LocalTransport
 
