@@ -4,7 +4,7 @@ On the cloud one SDK call carries the output byte-exact: a resumable exec's outp
 base64 pieces (1.37.3, transport.py:2321-2346; bounded by ``sdk.exec_bounded``), and on a control
 plane without them ``ExecOptions(output="b64")`` asks for it (the ``?output=b64`` query;
 transport.py:1297-1331). The local SDK hands output back already decoded
-as lossy UTF-8 text (transport.py:772-778) and has no byte-exact form, so there each command's
+as lossy UTF-8 text (transport.py:787-793) and has no byte-exact form, so there each command's
 stdout/stderr go to files in the guest, trimmed there and read back by :mod:`.streamed_read`.
 That also means a background process that keeps the command's stdout open can never hold a local exec
 open. A call with a user, live output or a cancel goes through ``handle.stream_exec`` on both
