@@ -5,7 +5,8 @@ it can also answer with anything at all. No microVM boots on this project's mach
 machine here is a stand-in that answers as such a guest would: an endless exec stream (and, for
 the code this replaced, an 8 MiB ``read_file``). The code under test is the host's reading; the
 same reads against real guests of the loopback cloud are in ``tests/backends/test_conformance.py``
-(``test_a_read_past_its_cap_holds_no_more_than_the_cap``).
+(``test_a_read_past_its_cap_holds_no_more_than_the_cap``). A flood of exec output goes through the
+plugin to a loopback cloud guest, whose node the SDK reads as a resumable exec (1.37.3).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import pytest
 from pytest_smolvm.backends.smol.guest import SmolGuest
 from pytest_smolvm.backends.smol.streamed_read import HEADER_MAX, GuestBytes, OverCap
 from pytest_smolvm.errors import GuestError
+from tests.smolcloud.harness import LoopbackCloud
 
 PIECE = 64 << 10  # characters per stdout event the stand-in sends
+SMOL = ["--smol-backend=smol", "--smol-target=cloud", "--smol-baseline=alpine", "-p", "no:cacheprovider"]
 
 
 class _Stream:
@@ -123,3 +126,31 @@ def test_a_whole_looking_tree_from_a_failed_stream_is_not_kept(exit_code: int | 
     with pytest.raises(GuestError):
         guest.get_archive("/work/t", "payload", consume)
     assert taken == [tree.getvalue()]  # consume saw all of it, and the call still failed
+
+
+def test_a_flood_of_output_holds_only_its_cap_in_host_memory(pytester: pytest.Pytester, cloud: LoopbackCloud,
+                                                              token: str) -> None:
+    """The SDK's resumable exec kept every byte a command printed before the plugin's cap
+    applied (and failed the exec where the node had dropped some): 200 MB of output cost the
+    host 200 MB. Now each stream's head and tail are all that is held while it reads on."""
+    pytester.makeconftest("""
+        import dataclasses
+        from pytest_smolvm import limits
+        limits.LIMITS = dataclasses.replace(limits.LIMITS, output_bytes=1 << 20)
+    """)
+    pytester.makepyfile("""
+        import resource
+
+        def test_flood(smol_vm):
+            smol_vm.exec("true")
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            result = smol_vm.exec("head -c 200000000 /dev/zero; echo end >&2")
+            grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+            assert result.exit_code == 0 and "stdout" in result.truncated, result
+            assert len(result.stdout_bytes) <= 1 << 20 and set(result.stdout_bytes) == {0}
+            assert result.stderr.endswith("end\\n")
+            assert grown < 64, f"the host grew by {grown} MiB"
+    """)
+    result = pytester.runpytest_subprocess(*SMOL, timeout=300)
+    result.assert_outcomes(passed=1)
+    assert cloud.wait_for_no_machines(token=token) == []
