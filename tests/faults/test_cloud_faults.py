@@ -174,3 +174,22 @@ def test_an_exec_its_node_never_times_out_is_killed_by_the_host(
         calls = server.calls(server.token)
         assert calls.get("DELETE /v1/machines/{id}/execs/{exec}"), calls
 
+
+def test_a_command_run_as_a_user_is_never_a_resumable_exec(
+        pytester: pytest.Pytester, tmp_path: Path, smol_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1.37.3's resumable exec checks no user echo: a control plane that ignored ``user`` there
+    ran ``exec(..., user="nobody")`` as root, silently. A user's command takes the plain exec,
+    where the SDK checks that the user was applied."""
+    with cloud_of_its_own(tmp_path, monkeypatch, "--execs-ignore-user") as server:
+        pytester.makepyfile("""
+            def test_as_nobody(smol_vm):
+                assert smol_vm.exec("id -u", user="nobody").stdout == "65534\\n"
+                smol_vm.exec("echo x > /tmp/mine", user="nobody", check=True)
+                assert smol_vm.exec("stat -c %u /tmp/mine").stdout == "65534\\n"
+                assert smol_vm.exec("id -u").stdout == "0\\n"  # the plugin's own commands stay resumable
+        """)
+        result = pytester.runpytest_subprocess(*SMOL, timeout=120)
+        result.assert_outcomes(passed=1)
+        calls = server.calls(server.token)
+        assert calls.get("POST /v1/machines/{id}/execs") and calls.get("POST /v1/machines/{id}/exec"), calls
+

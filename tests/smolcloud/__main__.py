@@ -58,6 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--untimed-execs", action="store_true",
                         help="run resumable execs without their timeoutSeconds, as a node whose agent never "
                              "enforced one (only the client's DELETE ends such a command)")
+    parser.add_argument("--execs-ignore-user", action="store_true",
+                        help="run resumable execs as the image's default account whatever user they name, "
+                             "as a plane that ignores the field (the SDK checks no user echo there)")
     parser.add_argument("--ttl-scale", type=float, default=1.0,
                         help="multiply every TTL by this (0.001: an hour passes in 3.6 s), for TTL tests")
     parser.add_argument("--reap-interval", type=float, default=0.5, help="seconds between TTL sweeps")
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smolcloud: {exc}", file=sys.stderr)
         return 2
     store = Store(images, work / "lowers", Faults([*args.fail, *args.fail_create]), args.ready_delay,
-                  args.ttl_scale, untimed_execs=args.untimed_execs)
+                  args.ttl_scale, untimed_execs=args.untimed_execs, execs_ignore_user=args.execs_ignore_user)
     (work / "lowers").mkdir()
     server = CloudServer(("127.0.0.1", args.port), store, legacy_fork_routes=args.legacy_fork_routes,
                          legacy_exec_routes=args.legacy_exec_routes)

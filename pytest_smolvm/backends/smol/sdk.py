@@ -217,7 +217,11 @@ def exec_bounded(timeout: float | None, output_limit: int | None, *, resumable: 
     ``resumable=False`` makes such an exec the plain one (as on a control plane without them,
     1385-1393): the host's file transfers stream there, since a node drops a resumable exec's
     output that its reader has not taken in time (``lost``: a 64 MiB read through the loopback
-    cloud lost most of itself), and a transfer with a hole is no transfer.
+    cloud lost most of itself), and a transfer with a hole is no transfer. A command run as a
+    user always takes the plain exec: there the SDK checks that the control plane applied the
+    user (``_ensure_user``, ``_check_user_echo``: 1292-1293, 1312-1313, 1394-1395); on the
+    resumable path it checks nothing (1288-1291), and a plane that ignored the field would run
+    the command as the image's default account, root.
     """
     from pytest_smolvm import limits
 
@@ -247,7 +251,7 @@ def _install_exec_bound() -> None:
                 self._bound: ExecBound = getattr(_exec_bound, "value", None) or ExecBound(None, None)
                 self._expired = False
                 self._timer: threading.Timer | None = None
-                if not self._bound.resumable:
+                if not self._bound.resumable or self._body.get("user") is not None:
                     return False  # the SDK's answer to "this control plane has none": the plain exec
                 if self._bound.seconds is not None:
                     self._timer = threading.Timer(self._bound.seconds, self._expire)
@@ -349,8 +353,10 @@ def internals_problems() -> list[str]:
     if resumable is not None:  # 1.37.3 and later (exec_bounded)
         problems += [f"smol.transport._ResumableExec.{name} is gone (exec_bounded)"
                      for name in ("start", "pieces", "forget") if not callable(getattr(resumable, name, None))]
-        if "self.cancelled" not in inspect.getsource(resumable.__init__):
-            problems.append("smol.transport._ResumableExec no longer has its cancelled event (exec_bounded)")
+        made = inspect.getsource(resumable.__init__)
+        if "self.cancelled" not in made or "self._body" not in made:
+            problems.append("smol.transport._ResumableExec no longer has its cancelled event or its _body "
+                            "(exec_bounded)")
         if not all("_ResumableExec(" in inspect.getsource(method)
                    for method in (transport.CloudTransport._exec_resumable, transport.CloudTransport.exec_stream)):
             problems.append("CloudTransport.exec/exec_stream no longer make a _ResumableExec (exec_bounded)")
