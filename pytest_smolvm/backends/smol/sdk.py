@@ -205,7 +205,7 @@ def exec_bounded(timeout: float | None, output_limit: int | None, *, resumable: 
     nothing ends it but the command's end: the plain exec's HTTP timeout (the command's timeout
     + 30 s, 1297-1300) is gone, so a node that never enforced a timeout held the call for ever.
     And ``exec`` keeps every byte the command printed (1338-1345) before our cap applied:
-    a guest printing for a minute filled the host's memory; output the node dropped before it
+    200 MB a guest printed were 200 MB of the host's memory; output the node dropped before it
     was read (``lost``) failed the whole exec (1354-1359).
 
     In this block such an exec is killed (its ``DELETE``, as ``exec_stream``'s kill does) once
