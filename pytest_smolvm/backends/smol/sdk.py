@@ -217,9 +217,9 @@ def exec_bounded(timeout: float | None, output_limit: int | None, *, resumable: 
     ``resumable=False`` makes such an exec the plain one (as on a control plane without them,
     1385-1393): the host's file transfers stream there, since a node drops a resumable exec's
     output that its reader has not taken in time (``lost``: a 64 MiB read through the loopback
-    cloud lost most of itself), and a transfer with a hole is no transfer. A command run as a
-    user always takes the plain exec: there the SDK checks that the control plane applied the
-    user (``_ensure_user``, ``_check_user_echo``: 1292-1293, 1312-1313, 1394-1395); on the
+    cloud lost 16 of its 89 MB of base64 in one run), and a transfer with a hole is no transfer.
+    A command run as a user always takes the plain exec: there the SDK checks that the control
+    plane applied the user (``_ensure_user``, ``_check_user_echo``: 1292-1293, 1312-1313, 1394-1395); on the
     resumable path it checks nothing (1288-1291), and a plane that ignored the field would run
     the command as the image's default account, root.
     """
