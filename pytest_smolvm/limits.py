@@ -69,6 +69,7 @@ class Limits:
     plan_service_read: float = 10.0  # a worker's request to the controller, whole, from connect
     plan_service_connections: int = 16  # requests the controller serves at once (more wait their turn)
     guest_file_op: float = 900.0  # one file operation in a namespace guest (a FIFO, a stalled helper)
+    guest_stage_discard: float = 60.0  # removing what a failed copy_in had staged in a namespace guest
     # A namespace guest's init, to take a request, or to report a request's end once the host has
     # killed it (a timeout, a cancel); an init that does neither is wedged: the host kills the guest.
     guest_answer_grace: float = 5.0

@@ -8,6 +8,7 @@ dir, fed by the same producers ``copy_in`` uses (the host's GNU tar, ``tarfile``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import io
@@ -26,11 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from pytest_smolvm import limits
 from pytest_smolvm.backends.base import Backend
 from pytest_smolvm.backends.namespace import cgroups
-from pytest_smolvm.backends.namespace.helper import unpack
+from pytest_smolvm.backends.namespace.helper import stage, unpack
 from pytest_smolvm.backends.namespace.helper.unpack import OPEN_LEVELS, Unpacker, _number
 from pytest_smolvm.backends.namespace.helper.writers import POOLED_FILE_BYTES, writers_for
+from pytest_smolvm.errors import GuestError
+from pytest_smolvm.handle.vm import VM
 from pytest_smolvm.host.procs import wait_gone
 from tests.backends.conftest import MakeGuest
 
@@ -452,3 +456,141 @@ def _most_processes_under(pid: int, action: Callable[[], object]) -> int:
         done.set()
         watcher.join()
     return most[0]
+
+
+def _small_files(root: Path, count: int, prefix: str = "f") -> Path:
+    for i in range(count):
+        folder = root / f"d{i // 100:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{prefix}{i:05d}").write_bytes(b"x" * 100)
+    return root
+
+
+def _staged_left(vm: VM) -> list[str]:
+    return [name for name in vm.exec("ls -A /").stdout.split() if name.startswith(stage.STAGE_PREFIX)]
+
+
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_a_copy_to_a_new_directory_that_fails_leaves_nothing(make_guest: MakeGuest, tmp_path: Path) -> None:
+    """A tree copied to a directory that does not exist yet is unpacked aside in the guest's
+    upper layer and moved in whole (helper/stage.py ``open_stage``). One that fails on the way,
+    here on a full disk, leaves no part of itself at dest, and the aside is gone too."""
+    src = _small_files(tmp_path / "src", 300)
+    (src / "big").write_bytes(b"\0" * (24 << 20))  # more than the guest's whole disk
+    vm, _ = make_guest(disk_mb=16)
+    vm.exec("mkdir /work")  # dest's parent: made for the copy, and kept, as mkdir -p keeps it
+    used_before = vm.exec("df -k / | tail -1 | awk '{print $3}'").stdout
+    with pytest.raises(OSError) as failed:
+        vm.copy_in(src, "/work/tree")
+    assert failed.value.errno == errno.ENOSPC, failed.value
+    assert vm.exec("test -e /work/tree").exit_code == 1, "a part of the failed copy is at its dest"
+    assert _staged_left(vm) == []
+    assert vm.exec("df -k / | tail -1 | awk '{print $3}'").stdout == used_before
+    vm.copy_in(src / "d000", "/work/tree")  # and the guest copies on
+    assert vm.exec("ls /work/tree | wc -l").stdout.strip() == "100"
+
+
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_a_copy_killed_on_the_way_leaves_nothing(make_guest: MakeGuest, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpacker the host kills (its file op timed out: here a guest process stopped it)
+    cannot clean up after itself; the host's follow-up removes what it had staged."""
+    src = _small_files(tmp_path / "src", 20_000)
+    vm, _ = make_guest()
+    # Stops every process but the init and itself once a stage appears: the unpacker and its writers.
+    vm.write_file("/stopper.sh", textwrap.dedent(f"""\
+        while :; do
+            for d in /{stage.STAGE_PREFIX}*; do [ -d "$d" ] && break 2; done
+        done
+        for p in /proc/[0-9]*; do
+            pid=${{p#/proc/}}
+            [ "$pid" = 1 ] || [ "$pid" = $$ ] || kill -STOP "$pid" 2>/dev/null
+        done
+        touch /stopped
+        """).encode())
+    vm.exec("setsid sh /stopper.sh </dev/null >/dev/null 2>&1 &")
+    monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, guest_file_op=3.0))
+    with pytest.raises(GuestError, match="took longer than 3s"):
+        vm.copy_in(src, "/work/tree")
+    assert vm.exec("test -e /stopped").exit_code == 0  # the stop came while the copy was staged
+    assert vm.exec("test -e /work/tree").exit_code == 1
+    assert _staged_left(vm) == []
+
+
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_a_copy_where_a_baseline_directory_was_removed_shows_the_copy_alone(make_guest: MakeGuest,
+                                                                            tmp_path: Path) -> None:
+    """Moved in over what the guest removed from its baseline (a whiteout in the upper layer),
+    the staged tree hides the baseline's directory of that name, as a directory made there would."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mine").write_text("copied\n")
+    vm, _ = make_guest()
+    assert vm.exec("ls /etc/periodic").stdout.split()  # the baseline's
+    vm.exec("rm -rf /etc/periodic")
+    vm.copy_in(src, "/etc/periodic")
+    assert vm.exec("ls -A /etc/periodic").stdout.split() == ["mine"]
+    assert vm.exec("cat /etc/periodic/mine").stdout == "copied\n"
+
+
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_copies_to_one_new_directory_at_once_land_together(make_guest: MakeGuest, tmp_path: Path) -> None:
+    """Two copies to a directory neither found there: the second to finish moves its tree into
+    the first's (``stage.merge``), as two unpacks into one directory would have left them."""
+    first = _small_files(tmp_path / "first", 3_000, prefix="a")
+    second = _small_files(tmp_path / "second", 3_000, prefix="b")
+    vm, _ = make_guest()
+    errors: list[BaseException] = []
+
+    def copy(src: Path) -> None:
+        try:
+            vm.copy_in(src, "/work/tree")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=copy, args=(src,)) for src in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert vm.exec("find /work/tree -type f | wc -l").stdout.strip() == "6000"
+    assert vm.exec("ls /work/tree/d000 | wc -l").stdout.strip() == "200"
+    assert _staged_left(vm) == []
+
+
+def test_a_staged_tree_merges_into_a_directory_made_meanwhile_by_the_unpackers_rules(tmp_path: Path) -> None:
+    """``stage.merge`` on its own: a file or link replaces what is there, a directory merges into
+    one there (or into a link to one) and gives it its mode and mtime; a file over a directory
+    is an error naming it."""
+    from pytest_smolvm.backends.namespace.helper.stage import merge
+
+    staged, dest, elsewhere = tmp_path / "staged", tmp_path / "dest", tmp_path / "elsewhere"
+    for root in (staged / "sub" / "deeper", dest / "sub", elsewhere):
+        root.mkdir(parents=True)
+    (staged / "file").write_text("new")
+    (dest / "file").write_text("old")
+    (staged / "sub" / "deeper" / "inner").write_text("staged")
+    (dest / "sub" / "kept").write_text("there before")
+    (staged / "sub").chmod(0o750)
+    os.utime(staged / "sub", ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    (staged / "linked").mkdir()
+    (staged / "linked" / "through").write_text("into the link's directory")
+    (dest / "linked").symlink_to(elsewhere)
+
+    merge(str(staged), str(dest), (0o711, 1_500_000_000_000_000_000))
+
+    assert (dest / "file").read_text() == "new"
+    assert (dest / "sub" / "kept").read_text() == "there before"
+    assert (dest / "sub" / "deeper" / "inner").read_text() == "staged"
+    assert stat.S_IMODE((dest / "sub").stat().st_mode) == 0o750
+    assert (dest / "sub").stat().st_mtime_ns == 1_600_000_000_000_000_000
+    assert (dest / "linked").is_symlink() and (elsewhere / "through").read_text() == "into the link's directory"
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o711 and dest.stat().st_mtime_ns == 1_500_000_000_000_000_000
+
+    (staged / "sub").mkdir(parents=True, exist_ok=True)
+    (staged / "sub" / "deeper").mkdir(exist_ok=True)
+    (staged / "sub" / "deeper" / "inner").mkdir()  # a directory where dest has a file
+    with pytest.raises(NotADirectoryError) as refused:
+        merge(str(staged), str(dest), None)
+    assert refused.value.filename == str(dest / "sub" / "deeper" / "inner")

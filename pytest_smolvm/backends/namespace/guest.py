@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -30,6 +31,7 @@ from pytest_smolvm.backends.namespace import dns as _nsdns
 from pytest_smolvm.backends.namespace import ledger as _nsledger
 from pytest_smolvm.backends.namespace import network as _nsnet
 from pytest_smolvm.backends.namespace.channel import Channel, Outcome, Unanswered, raise_error, run
+from pytest_smolvm.backends.namespace.helper.stage import STAGE_PREFIX
 from pytest_smolvm.backends.namespace.helper.writers import writers_for
 from pytest_smolvm.backends.namespace.shell import SHELL_DOOR, bind_door, remove_door
 from pytest_smolvm.baselines.baseline import Rootfs
@@ -195,10 +197,18 @@ class NamespaceGuest:
 
         producer = threading.Thread(target=run_producer, daemon=True)
         producer.start()
+        # A tree for a new guest_dir is unpacked under this name and moved in whole (the
+        # guest side's ``stage.open_stage``); an unpacker killed on the way leaves it, and is followed up.
+        stage = f"{STAGE_PREFIX}{secrets.token_hex(8)}"
         try:
             with theirs, os.fdopen(theirs.fileno(), "rb", closefd=False) as source:
-                self._file_op({"op": "put_archive", "path": guest_dir, "writers": self._unpack_writers},
-                              user=user, stdin=source)
+                self._file_op({"op": "put_archive", "path": guest_dir, "writers": self._unpack_writers,
+                               "stage": stage}, user=user, stdin=source)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self._file_op({"op": "discard_stage", "path": f"/{stage}"}, user=user,
+                              timeout=limits.LIMITS.guest_stage_discard)
+            raise
         finally:
             with contextlib.suppress(OSError):
                 ours.shutdown(socket.SHUT_RDWR)

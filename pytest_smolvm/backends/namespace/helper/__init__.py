@@ -33,4 +33,4 @@ processes or mounts behind. Only a guest marked ``keep`` outlives its owner.
 """
 
 # The order the zygote loads them in: each imports only those before it.
-MODULES = ("kernel", "disk", "diskpool", "writers", "unpack", "requests", "init", "setup", "zygote")
+MODULES = ("kernel", "disk", "diskpool", "writers", "unpack", "stage", "requests", "init", "setup", "zygote")

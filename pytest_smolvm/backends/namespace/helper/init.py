@@ -36,6 +36,7 @@ from pytest_smolvm.backends.namespace.helper.requests import (
     _report,
     _spawn_vpe,
 )
+from pytest_smolvm.backends.namespace.helper.stage import UPPER_FD
 
 # A killed group's last members are looked for this often, and waited for at most this long.
 DRAIN_POLL_MS = 5
@@ -59,8 +60,15 @@ class Init:
     them at once. A request too big for one control message comes as a memfd (``body``).
     """
 
-    def __init__(self, ctl: socket.socket) -> None:
+    def __init__(self, ctl: socket.socket, upper_fd: int | None = None) -> None:
         self.ctl = ctl
+        # The guest's upper layer, opened before the pivot (after it nothing names it): each
+        # put_archive's child gets it as UPPER_FD, to stage a new tree in (stage.py
+        # ``open_stage``). Kept above the fds a child's dup2s fill, which would close it.
+        self.upper_fd: int | None = None
+        if upper_fd is not None:
+            self.upper_fd = fcntl.fcntl(upper_fd, fcntl.F_DUPFD_CLOEXEC, UPPER_FD + 1)
+            os.close(upper_fd)
         self.children: dict[int, int] = {}  # pid -> that request's status fd
         # A command whose group was killed (a timeout, a cancel) is reported ended only once its
         # whole group is gone: a killed process can take a while to die (one that freed 512 MiB
@@ -332,7 +340,10 @@ class Init:
             if message.get("tty"):  # the pty the shell door's host made: this session's terminal
                 _take_terminal()
             os.dup2(fds[3], STATUS_FD, inheritable=False)  # closed by a successful execve
-            os.closerange(STATUS_FD + 1, 65536)
+            kept = STATUS_FD
+            if message["op"] == "put_archive" and self.upper_fd is not None:
+                kept = os.dup2(self.upper_fd, UPPER_FD, inheritable=False)
+            os.closerange(kept + 1, 65536)
             if message.get("user") is not None:
                 _become(message)
             if message.get("no_new_privs"):  # a shell a user opened: setuid programs gain nothing

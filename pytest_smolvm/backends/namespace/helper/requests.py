@@ -16,6 +16,7 @@ import tarfile
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.kernel import SIGNAL_EXIT_BASE
+from pytest_smolvm.backends.namespace.helper.stage import MERGE_ERRORS, STAGE_PREFIX, merge, open_stage
 from pytest_smolvm.backends.namespace.helper.unpack import Unpacker
 
 # tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
@@ -245,9 +246,35 @@ GUEST_TARS = ("/bin/tar", "/usr/bin/tar")
 
 def _op_put_archive(message: dict[str, Any]) -> int:
     dest = message["path"]
-    os.makedirs(dest, exist_ok=True)
+    writers = int(message.get("writers", 1))
     with os.fdopen(0, "rb", buffering=1 << 16, closefd=False) as src:
-        Unpacker(dest, src.read, writers=int(message.get("writers", 1))).run()
+        stage = open_stage(dest, message.get("stage"))
+        if stage is None:
+            os.makedirs(dest, exist_ok=True)
+            Unpacker(dest, src.read, writers=writers).run()
+            return 0
+        name, fd = stage
+        staged = f"/{name}"
+        try:
+            unpacker = Unpacker(dest, src.read, writers=writers, into=fd)
+            unpacker.run()
+            try:
+                os.rename(staged, dest)  # through the overlay, which looks the tree up only now
+            except OSError as exc:
+                if exc.errno not in MERGE_ERRORS or not os.path.isdir(dest):
+                    raise
+                merge(staged, dest, unpacker.root_attrs)  # dest was made meanwhile
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)  # gone once moved; what is left, after a failure
+    return 0
+
+
+def _op_discard_stage(message: dict[str, Any]) -> int:
+    """Remove what a killed ``put_archive`` had staged (the host asks after a failed copy)."""
+    name = message["path"].lstrip("/")
+    if not name.startswith(STAGE_PREFIX) or "/" in name:
+        raise Refused(f"discard_stage: {message['path']!r} is not a staged tree")
+    shutil.rmtree(f"/{name}", ignore_errors=True)
     return 0
 
 
@@ -334,4 +361,4 @@ def _op_export_root(message: dict[str, Any]) -> int:
 
 
 FILE_OPS = {"write": _op_write, "read": _op_read, "put_archive": _op_put_archive,
-            "get_archive": _op_get_archive, "export_root": _op_export_root}
+            "discard_stage": _op_discard_stage, "get_archive": _op_get_archive, "export_root": _op_export_root}

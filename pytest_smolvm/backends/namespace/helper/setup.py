@@ -311,6 +311,8 @@ def _send_upper(ctl: socket.socket, upper: str) -> None:
 def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
     """Finish the guest from inside its pid namespace, say so on ``report_w``, then serve; never returns."""
     try:
+        upper_fd = os.open(os.path.join(os.path.dirname(root), "upper"),
+                           os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         _enter_root(root, req)
         if req.get("mapped_fd") is not None:
             _own_user_namespace(req["owner_uid"], req["mapped_fd"], report_w)
@@ -324,5 +326,5 @@ def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: i
         os._exit(1)
     os.write(report_w, json.dumps({"ok": True}).encode())
     os.close(report_w)
-    Init(ctl).serve()
+    Init(ctl, upper_fd).serve()
     os._exit(0)

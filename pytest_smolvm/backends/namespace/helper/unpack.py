@@ -109,10 +109,11 @@ class _Level:
 class Unpacker:
     """The host's tar stream (read through ``read``) unpacked under the directory ``dest``."""
 
-    def __init__(self, dest: str, read: Callable[[int], bytes], *, writers: int = 1) -> None:
+    def __init__(self, dest: str, read: Callable[[int], bytes], *, writers: int = 1, into: int | None = None) -> None:
+        """``into``: the directory's fd, where it is not ``dest`` yet (a stage: stage.py); closed by ``run``."""
         self.dest = dest.rstrip("/") or "/"
         self.read = read
-        self.root = os.open(dest, DIR_FLAGS)
+        self.root = os.open(dest, DIR_FLAGS) if into is None else into
         self.root_attrs: tuple[int, int] | None = None
         self.stack: list[_Level] = []
         self.names: list[bytes] = []  # the stack's names, compared in one go per member

@@ -72,9 +72,10 @@ def write_file(at: int, base: bytes, mode: int, mtime_ns: int, data: bytes | mem
         os.close(fd)
 
 
-def set_attrs(fd: int, mode: int, mtime_ns: int) -> None:
-    os.fchmod(fd, mode)
-    os.utime(fd, ns=(mtime_ns, mtime_ns))
+def set_attrs(at: int | str, mode: int, mtime_ns: int) -> None:
+    """A directory's mode and mtime, by fd (or by path: stage.py ``merge``)."""
+    os.chmod(at, mode)
+    os.utime(at, ns=(mtime_ns, mtime_ns))
 
 
 class Writers:
