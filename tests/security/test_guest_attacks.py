@@ -175,6 +175,35 @@ def test_3c_a_guest_command_holds_no_fd_of_its_init(vm: VM) -> None:
     assert sorted(listing) == ["0", "1", "2"], listing
 
 
+def test_3d_a_guest_cannot_reach_the_upper_layer_its_init_and_copy_in_hold(vm: VM, tmp_path: Path) -> None:
+    """The init holds the guest's upper layer open, outside the guest's root (what is beside it
+    on the disk is the overlay's work dir), and hands it to each copy_in's unpacker, which
+    stages a new tree there (helper/stage.py). A spy walking every process's fds while a copy
+    runs reaches neither's: both are non-dumpable, so /proc gives no link to follow."""
+    src = tmp_path / "src"
+    for i in range(20_000):
+        folder = src / f"d{i // 100:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"f{i:05d}").write_bytes(b"x")
+    vm.write_file("/spy.sh", textwrap.dedent("""\
+        while [ ! -e /stop ]; do
+            for d in /proc/[0-9]*/fd/*; do
+                case "$d" in /proc/$$/*) continue ;; esac
+                target=$(readlink "$d" 2>/dev/null) || continue
+                case "$target" in *upper*) echo "$d -> $target" >> /spy.out ;; esac
+            done
+            echo pass >> /spy.passes
+        done
+        """).encode())
+    vm.exec("setsid sh /spy.sh </dev/null >/dev/null 2>&1 &", check=True)
+    vm.copy_in(src, "/work/tree")
+    vm.exec("touch /stop", check=True)
+    assert vm.exec("wc -l < /spy.passes").stdout.strip() != "0"
+    assert vm.exec("cat /spy.out 2>/dev/null; :").stdout == ""
+    assert vm.exec("ls /proc/1/fd/*/ 2>/dev/null | head -1; :").stdout == ""
+    assert vm.exec("find /work/tree -type f | wc -l").stdout.strip() == "20000"
+
+
 # ------------------------------------------------------------------ 4. killing host processes via cgroups
 
 
