@@ -559,6 +559,36 @@ def test_copies_to_one_new_directory_at_once_land_together(make_guest: MakeGuest
     assert _staged_left(vm) == []
 
 
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+@pytest.mark.parametrize("made", ["directory", "file"])
+def test_what_a_guest_makes_at_dest_while_the_tree_is_staged(make_guest: MakeGuest, tmp_path: Path,
+                                                              made: str) -> None:
+    """A guest process makes ``dest`` once the copy's stage appears: a directory, and the tree
+    is merged into it (what the guest put there kept); a file, and the copy fails naming
+    ``dest`` (not the stage, a name the user never gave) and leaves the guest's file alone."""
+    src = _small_files(tmp_path / "src", 20_000)
+    vm, _ = make_guest()
+    vm.exec("mkdir /work")
+    make = "mkdir /work/tree && echo guest > /work/tree/own" if made == "directory" else "echo guest > /work/tree"
+    vm.write_file("/maker.sh", textwrap.dedent(f"""\
+        while :; do
+            for d in /{stage.STAGE_PREFIX}*; do [ -d "$d" ] && break 2; done
+        done
+        {make}
+        """).encode())
+    vm.exec("setsid sh /maker.sh </dev/null >/dev/null 2>&1 &")
+    if made == "directory":
+        vm.copy_in(src, "/work/tree")
+        assert vm.exec("cat /work/tree/own").stdout == "guest\n"
+        assert vm.exec("find /work/tree -type f | wc -l").stdout.strip() == "20001"
+    else:
+        with pytest.raises(NotADirectoryError) as failed:
+            vm.copy_in(src, "/work/tree")
+        assert failed.value.filename == "/work/tree"
+        assert vm.exec("cat /work/tree").stdout == "guest\n"
+    assert _staged_left(vm) == []
+
+
 def test_a_staged_tree_merges_into_a_directory_made_meanwhile_by_the_unpackers_rules(tmp_path: Path) -> None:
     """``stage.merge`` on its own: a file or link replaces what is there, a directory merges into
     one there (or into a link to one) and gives it its mode and mtime; a file over a directory

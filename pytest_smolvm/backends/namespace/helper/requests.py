@@ -262,7 +262,7 @@ def _op_put_archive(message: dict[str, Any]) -> int:
                 os.rename(staged, dest)  # through the overlay, which looks the tree up only now
             except OSError as exc:
                 if exc.errno not in MERGE_ERRORS or not os.path.isdir(dest):
-                    raise
+                    raise OSError(exc.errno, exc.strerror, dest) from None  # the stage is no name of the user's
                 merge(staged, dest, unpacker.root_attrs)  # dest was made meanwhile
         finally:
             shutil.rmtree(staged, ignore_errors=True)  # gone once moved; what is left, after a failure
