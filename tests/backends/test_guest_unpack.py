@@ -590,6 +590,23 @@ def test_what_a_guest_makes_at_dest_while_the_tree_is_staged(make_guest: MakeGue
     assert _staged_left(vm) == []
 
 
+@pytest.mark.parametrize("backend", ["namespace"], indirect=True)
+def test_a_new_dest_the_stage_cannot_serve_is_made_in_place(make_guest: MakeGuest, tmp_path: Path) -> None:
+    """Under another mount (a move from the upper layer would cross filesystems) and under a
+    setgid directory (what is made there takes its group), a new tree is unpacked in place, as
+    before the stage: it lands, with the group a directory made there gets."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("copied\n")
+    vm, _ = make_guest()
+    vm.copy_in(src, "/dev/shm/tree")
+    assert vm.exec("cat /dev/shm/tree/f").stdout == "copied\n"
+    vm.exec("mkdir -m 2775 /shared && chgrp 1234 /shared", check=True)
+    vm.copy_in(src, "/shared/tree")
+    assert vm.exec("stat -c %g /shared/tree /shared/tree/f").stdout.split() == ["1234", "1234"]
+    assert _staged_left(vm) == []
+
+
 def test_a_staged_tree_merges_into_a_directory_made_meanwhile_by_the_unpackers_rules(tmp_path: Path) -> None:
     """``stage.merge`` on its own: a file or link replaces what is there, a directory merges into
     one there (or into a link to one) and gives it its mode and mtime; a file over a directory
