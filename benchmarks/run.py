@@ -821,6 +821,22 @@ def render(figures: list[Figure]) -> str:
     return "\n".join(lines)
 
 
+def measured_package() -> Path:
+    """The pytest_smolvm this run measures: the checkout this script sits in, or one named on
+    PYTHONPATH (a worktree of another revision, for a before and after). Never a copy pip
+    installed elsewhere: a CI run installs one into site-packages, and this script's
+    ``sys.path[0]`` is benchmarks/, not the checkout, so it would measure that copy silently."""
+    import pytest_smolvm
+
+    package = Path(pytest_smolvm.__file__).resolve().parent
+    named = [Path(entry).resolve() for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    roots = [HERE.parent.resolve(), *named]
+    if not any(package.is_relative_to(root) for root in roots):
+        sys.exit(f"benchmarks/run.py: pytest_smolvm imports from {package}, neither this checkout ({HERE.parent}) "
+                 "nor PYTHONPATH: run 'pip install -e .' here, or name the tree to measure in PYTHONPATH")
+    return package
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and smaller suites")
@@ -831,6 +847,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
 
+    print(f"measuring pytest_smolvm from {measured_package()}", file=sys.stderr, flush=True)
     figures: list[Figure] = []
     started = time.monotonic()
     with bench_dirs(args.quick) as cfg:
