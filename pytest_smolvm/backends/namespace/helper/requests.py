@@ -16,7 +16,7 @@ import tarfile
 from typing import Any
 
 from pytest_smolvm.backends.namespace.helper.kernel import SIGNAL_EXIT_BASE
-from pytest_smolvm.backends.namespace.helper.stage import MERGE_ERRORS, STAGE_PREFIX, merge, open_stage
+from pytest_smolvm.backends.namespace.helper.stage import MERGE_ERRORS, is_stage_name, merge, open_stage
 from pytest_smolvm.backends.namespace.helper.unpack import Unpacker
 
 # tarfile looks owners up by name through NSS, which dlopen()s libraries from the *guest's*
@@ -272,7 +272,7 @@ def _op_put_archive(message: dict[str, Any]) -> int:
 def _op_discard_stage(message: dict[str, Any]) -> int:
     """Remove what a killed ``put_archive`` had staged (the host asks after a failed copy)."""
     name = message["path"].lstrip("/")
-    if not name.startswith(STAGE_PREFIX) or "/" in name:
+    if not is_stage_name(name):
         raise Refused(f"discard_stage: {message['path']!r} is not a staged tree")
     shutil.rmtree(f"/{name}", ignore_errors=True)
     return 0

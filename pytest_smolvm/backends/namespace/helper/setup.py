@@ -273,16 +273,20 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         # (the init, per-request children); execve of a guest command resets it.
         _check(_prctl(PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
         root = _mount_root(req)
+        # Opened while the path still names the disk just mounted (after the pivot nothing
+        # does): for the host, for vm.branch, and for the init, for copy_in's stage (stage.py).
+        upper_fd = os.open(os.path.join(os.path.dirname(root), "upper"),
+                           os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         if req.get("send_upper"):
-            _send_upper(ctl, os.path.join(os.path.dirname(root), "upper"))
+            _send_upper(ctl, upper_fd)
         if not req["userns"]:
-            _become_init(root, req, ctl, report_w)
+            _become_init(root, req, ctl, report_w, upper_fd)
         ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
             os.close(report_w)
-            _become_init(root, req, ctl, ready_w)
+            _become_init(root, req, ctl, ready_w, upper_fd)
         os.close(ready_w)
         status = os.read(ready_r, 4096).decode(errors="replace")
         reply = json.loads(status) if status.startswith("{") else {"error": status or "guest init exited during setup"}
@@ -296,23 +300,16 @@ def _setup_guest(req: dict[str, Any], ctl: socket.socket, report_w: int) -> None
         os._exit(1)
 
 
-def _send_upper(ctl: socket.socket, upper: str) -> None:
+def _send_upper(ctl: socket.socket, upper_fd: int) -> None:
     """Hand the host the guest's upper layer as a directory fd, for ``vm.branch`` (the host
     copies it by fd-only walks while the guest is frozen: backends/namespace/branch.py). Sent
-    before any guest code runs, so the path opened is still the disk just mounted; after the
-    pivot nothing names it. The last message on the control socket before the init serves."""
-    fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        socket.send_fds(ctl, [json.dumps({"upper": True}).encode()], [fd])
-    finally:
-        os.close(fd)
+    before any guest code runs. The last message on the control socket before the init serves."""
+    socket.send_fds(ctl, [json.dumps({"upper": True}).encode()], [upper_fd])
 
 
-def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: int) -> None:
+def _become_init(root: str, req: dict[str, Any], ctl: socket.socket, report_w: int, upper_fd: int) -> None:
     """Finish the guest from inside its pid namespace, say so on ``report_w``, then serve; never returns."""
     try:
-        upper_fd = os.open(os.path.join(os.path.dirname(root), "upper"),
-                           os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         _enter_root(root, req)
         if req.get("mapped_fd") is not None:
             _own_user_namespace(req["owner_uid"], req["mapped_fd"], report_w)

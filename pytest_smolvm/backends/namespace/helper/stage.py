@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TypeGuard
 
 from pytest_smolvm.backends.namespace.helper.writers import set_attrs
 
@@ -18,6 +19,11 @@ UPPER_FD = 4  # in a put_archive's child: the guest's upper layer, handed down b
 STAGE_PREFIX = ".smolvm-copy-"  # a staged tree's name at the top of the upper layer, until moved in
 # A directory moved onto a directory there that is not empty, or onto a link to one.
 MERGE_ERRORS = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR)
+
+
+def is_stage_name(name: object) -> TypeGuard[str]:
+    """Whether ``name`` is one a stage may have: ours, at the top of the upper layer, nothing deeper."""
+    return isinstance(name, str) and name.startswith(STAGE_PREFIX) and "/" not in name
 
 
 def open_stage(dest: str, name: object) -> tuple[str, int] | None:
@@ -41,7 +47,7 @@ def open_stage(dest: str, name: object) -> tuple[str, int] | None:
     it a group or default ACL of its own (setgid, ``system.posix_acl_default``), or when the
     request's user may not write the upper's top (a user other than root).
     """
-    if not isinstance(name, str) or not name.startswith(STAGE_PREFIX) or "/" in name:
+    if not is_stage_name(name):
         return None
     try:
         os.fstat(UPPER_FD)
